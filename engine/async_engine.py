@@ -1,0 +1,217 @@
+"""The engine as the HTTP service drives it: a step loop on its own thread, streams on the event loop.
+
+The event loop never runs model code.  Requests and aborts cross into the engine
+thread through a queue; each step's deltas come back through
+``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request.  A step that
+raises fails only the requests in it; if the loop itself dies, every open stream
+ends with an error and ``healthy`` turns False, so the service can exit and be
+restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional, Sequence
+
+from engine.engine import LLMEngine, RequestError
+from engine.request import CompletionDelta, SamplingParams
+from engine.stats import RequestStats, StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at its limit; the caller should retry later (HTTP 429)."""
+
+
+class EngineDeadError(Exception):
+    """The engine loop has stopped; nothing more will be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[CompletionDelta | BaseException]"
+    unfinished_choices: int  # counted down on the engine thread as choices finish
+
+
+StepCallback = Callable[[StepStats], None]
+FinishCallback = Callable[[RequestStats], None]
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Optional[StepCallback] = None,
+        on_finish: Optional[FinishCallback] = None,
+    ) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self.on_finish = on_finish
+        self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams and _pending
+        self._pending = 0  # accepted, not yet handed to the scheduler
+        self._stop = threading.Event()
+        self.dead: Optional[BaseException] = None
+        self.max_waiting = engine.config.scheduler.max_waiting
+        self.step_hook: Optional[Callable[[], None]] = None  # test-only fault injection, called before each step
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_waiting + self._pending
+
+    # --- requests ---------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncIterator[CompletionDelta]:
+        """Validate and queue a request; returns its stream of deltas (all n choices, in step order).
+
+        Raises RequestError (bad request), QueueFullError (429) or EngineDeadError at once.
+        """
+        if not self.healthy:
+            raise EngineDeadError("the engine is not running")
+        self.engine.validate(list(prompt_ids), params)
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), params.n)
+        with self._lock:
+            if self.num_waiting >= self.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
+            if request_id in self._streams:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._pending += 1
+        self._commands.put(("add", request_id, list(prompt_ids), params, priority, time.monotonic()))
+        self._wake.set()
+        return self._iterate(request_id, stream, params.n)
+
+    async def _iterate(self, request_id: str, stream: _Stream, n: int) -> AsyncIterator[CompletionDelta]:
+        finished = False
+        open_choices = n
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped it
+                    raise item
+                if item.finished:
+                    open_choices -= 1
+                    finished = open_choices <= 0
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the consumer went away (client disconnect) or an error: free its blocks now
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            known = request_id in self._streams
+        if known:
+            self._commands.put(("abort", request_id))
+            self._wake.set()
+
+    # --- the loop (engine thread) -----------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                if self.step_hook is not None:
+                    self.step_hook()
+                deltas, step_stats, finished = self.engine.step()
+                self._dispatch(deltas)
+                if step_stats is not None and self.on_step is not None:
+                    self.on_step(step_stats)
+                if self.on_finish is not None:
+                    for rs in finished:
+                        self.on_finish(rs)
+        except BaseException as exc:  # noqa: BLE001 - the loop is gone: tell every stream
+            logger.exception("engine loop died")
+            self.dead = exc
+            self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt_ids, params, priority, arrival = cmd
+                with self._lock:
+                    self._pending -= 1
+                    alive = rid in self._streams
+                if not alive:
+                    continue  # aborted before it reached the scheduler
+                try:
+                    self.engine.add_request(rid, prompt_ids, params, priority, arrival)
+                except Exception as exc:  # noqa: BLE001 - validated already; report, never crash the loop
+                    self._dispatch_error(rid, exc)
+            elif cmd[0] == "abort":
+                rid = cmd[1]
+                deltas = self.engine.abort_request(rid)
+                if not deltas:  # never reached the scheduler (or already done): just close the stream
+                    with self._lock:
+                        self._streams.pop(rid, None)
+                self._dispatch(deltas)
+
+    def _dispatch(self, deltas: list[CompletionDelta]) -> None:
+        for d in deltas:
+            with self._lock:
+                stream = self._streams.get(d.parent_id)
+                if stream is None:
+                    continue
+                if d.finished:
+                    stream.unfinished_choices -= 1
+                    if stream.unfinished_choices <= 0:
+                        del self._streams[d.parent_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, d)
+
+    def _dispatch_error(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)

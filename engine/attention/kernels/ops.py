@@ -1,0 +1,91 @@
+"""Run-time kernel dispatch: which ISA serves a configuration, and the calls that route to it.
+
+The native kernels live in a C++ extension (``engine/attention/kernels/native.py``
+builds it at first use).  When it is missing, fails to build, or does not cover a
+configuration, everything runs on the portable ``ref`` kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention.kernels import ref
+
+if TYPE_CHECKING:
+    from engine.attention.backends.cpu import CPUAttentionMetadata
+
+ISAS = ("amx", "vec512", "vec256", "ref")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """CPU feature flags of this host, from /proc/cpuinfo (empty when unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_isas() -> frozenset[str]:
+    """ISAs the native extension was built with and this CPU can run; empty when there is none."""
+    from engine.attention.kernels import native
+
+    return native.available_isas()
+
+
+def select_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
+    isas = native_isas()
+    if not isas:
+        return "ref"
+    from engine.attention.kernels import native
+
+    for isa in ISAS[:-1]:
+        if isa in isas and native.supports(isa, dtype, block_size, head_size, kv_cache_dtype):
+            return isa
+    return "ref"
+
+
+def reshape_and_cache(
+    isa: str,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    if isa == "ref":
+        ref.reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    else:
+        from engine.attention.kernels import native
+
+        native.reshape_and_cache(isa, key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+def paged_attention(
+    isa: str,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: "CPUAttentionMetadata",
+    scale: float,
+    kv_cache_dtype: str,
+    k_scale: float,
+    v_scale: float,
+    output: torch.Tensor,
+) -> None:
+    if isa == "ref":
+        qsl = meta.query_start_loc_list if meta.query_start_loc_list is not None else meta.query_start_loc.tolist()
+        sl = meta.seq_lens_list if meta.seq_lens_list is not None else meta.seq_lens.tolist()
+        ref.paged_attention(query, kv_cache, qsl, sl, meta.block_table, scale, k_scale, v_scale, output, meta.causal)
+    else:
+        from engine.attention.kernels import native
+
+        native.paged_attention(isa, query, kv_cache, meta, scale, kv_cache_dtype, k_scale, v_scale, output)

@@ -1,0 +1,101 @@
+"""Configuration dataclasses: the one place every tunable lives.
+
+The CLI (``service/__main__.py``) and the offline ``LLM`` class both build an
+``EngineConfig``; nothing below the engine reads flags or environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder, filled in by a loader from GGUF metadata or config.json."""
+
+    architecture: str  # "llama" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    rope_scaling: Optional[dict] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def default_kv_cache_gb() -> float:
+    """A quarter of available RAM, between 0.5 and 8 GiB: enough for long contexts, leaves room for the rest."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+        avail_gb = info.get("MemAvailable", info["MemTotal"]) / (1024 * 1024)
+    except (OSError, KeyError, ValueError):
+        avail_gb = 8.0
+    return float(min(8.0, max(0.5, avail_gb / 4)))
+
+
+def default_num_threads() -> int:
+    """Threads for the model: the cores this process may use (cgroup affinity), from OMP_NUM_THREADS if set."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_gb: Optional[float] = None  # None: default_kv_cache_gb()
+    kv_cache_dtype: str = "auto"  # "auto" (the run dtype), "fp8_e4m3", "fp8_e5m2"
+    enable_prefix_caching: bool = True
+    num_blocks: Optional[int] = None  # overrides kv_cache_gb; tests use it to force preemption
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.block_size <= 0 or self.block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None  # None: the model's context length
+    enable_chunked_prefill: bool = True
+    max_waiting: int = 1024  # waiting-queue limit; the service answers 429 beyond it
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"  # "default", a GGUF file or a Hugging Face directory
+    dtype: str = "bfloat16"
+    served_model_name: Optional[str] = None
+    seed: int = 0
+    num_threads: int = field(default_factory=default_num_threads)
+    weight_quant: str = "auto"  # "auto" keeps GGUF blocks for small-batch matmuls where kernels exist; "none" = dense only
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

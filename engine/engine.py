@@ -1,0 +1,381 @@
+"""The engine: one step = schedule -> run the model -> sample -> detokenize -> outputs.
+
+``LLMEngine`` is the synchronous core.  ``LLM`` is the offline front door
+(``LLM(model=...).generate(prompts, params)``); ``AsyncEngine`` (engine/async_engine.py)
+runs the step loop on its own thread for the HTTP service.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from engine.attention.backends.cpu import kv_cache_torch_dtype
+from engine.config import EngineConfig, default_kv_cache_gb
+from engine.kv_cache import KVCacheManager
+from engine.loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.output_processor import RequestTextState
+from engine.request import (
+    CompletionDelta,
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    SamplingParamsError,
+)
+from engine.scheduler import Scheduler
+from engine.stats import RequestStats, StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot accept (too long, bad token ids...); ``param`` names the culprit."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: Optional[LoadedModel] = None,
+        progress: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        self.config = config
+        torch.set_num_threads(config.num_threads)
+        t0 = time.monotonic()
+        loaded = loaded or load_model(config.model, config.torch_dtype, progress=progress)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = config.served_model_name or _default_name(loaded.source)
+        self.max_model_len = min(
+            config.scheduler.max_model_len or loaded.config.max_position_embeddings,
+            loaded.config.max_position_embeddings,
+        )
+        num_blocks = self._num_blocks()
+        self.runner = ModelRunner(config, loaded.config, self.max_model_len, num_blocks)
+        self.runner.load_weights(loaded.weights)
+        self._attach_packed_weights(loaded)
+        del loaded
+        self.runner.allocate_kv_cache()
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.text_states: dict[str, RequestTextState] = {}
+        self._arrival_seq = itertools.count()
+        self.load_time_s = time.monotonic() - t0
+        logger.info(
+            "engine ready in %.1fs: %s, %d layers, dtype %s, KV cache %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
+            self.load_time_s,
+            self.model_name,
+            self.model_config.num_hidden_layers,
+            config.dtype,
+            num_blocks,
+            config.cache.block_size,
+            num_blocks * config.cache.block_size,
+            num_blocks * self._block_bytes() / 2**30,
+            config.cache.kv_cache_dtype,
+        )
+
+    # --- set-up -------------------------------------------------------------------------
+
+    def _block_bytes(self) -> int:
+        cache_dtype = kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.config.torch_dtype)
+        return kv_bytes_per_block(self.model_config, self.config.cache.block_size, cache_dtype)
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        gb = cache.kv_cache_gb if cache.kv_cache_gb is not None else default_kv_cache_gb()
+        num = int(gb * 2**30) // self._block_bytes()
+        min_blocks = -(-self.max_model_len // cache.block_size)
+        if num < min_blocks:
+            raise ValueError(
+                f"--kv-cache-gb {gb:g} holds {num * cache.block_size} tokens, fewer than one full context "
+                f"({self.max_model_len}); raise it or lower --max-model-len"
+            )
+        return num
+
+    def _attach_packed_weights(self, loaded: LoadedModel) -> None:
+        """Keep GGUF's low-bit blocks for small-batch matmuls where the native kernels exist."""
+        if self.config.weight_quant == "none" or not loaded.gguf_tensors:
+            return
+        try:
+            from engine.layers import quant
+        except ImportError:
+            return
+        quant.attach_model(self.runner.model, loaded.gguf_tensors, self.config.weight_quant)
+
+    # --- requests -----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for anything that cannot run; checked before any state changes."""
+        vocab = self.model_config.vocab_size
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", "prompt")
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len} "
+                "tokens and at least one must be left to generate",
+                "prompt",
+            )
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context length of {self.max_model_len}",
+                "max_tokens",
+            )
+        for name, ids in (("logit_bias", params.logit_bias.keys()), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"{name} names token id {bad}, outside the vocabulary (0..{vocab - 1})", name)
+        try:
+            params.validate()
+        except SamplingParamsError as exc:
+            raise RequestError(str(exc), exc.param) from None
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> list[Request]:
+        """Queue a request; ``n > 1`` becomes n sequences, the later ones reusing the first's prompt blocks."""
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        seq = next(self._arrival_seq)
+        reqs = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = SamplingParams(**{**params.__dict__, "n": 1})
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(
+                rid,
+                prompt_ids,
+                child_params,
+                self.model_config.eos_token_ids,
+                priority,
+                arrival,
+                parent_id=request_id,
+                index=i,
+                arrival_seq=seq,
+            )
+            if i > 0 and self.config.cache.enable_prefix_caching:
+                req.prefill_after = reqs[0]
+            reqs.append(req)
+        for req in reqs:
+            self.text_states[req.request_id] = RequestTextState(self.tokenizer, req)
+            self.scheduler.add(req)
+        return reqs
+
+    def abort_request(self, request_id: str) -> list[CompletionDelta]:
+        """Abort a request (all n sequences of it) wherever it is; its blocks are free when this returns."""
+        out = []
+        for req in list(self.scheduler.requests.values()):
+            if req.parent_id == request_id or req.request_id == request_id:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                out.append(self._delta(req))
+        return out
+
+    def fail_requests(self, requests: Sequence[Request], message: str) -> list[CompletionDelta]:
+        """End these requests with an error (a step that raised); the rest keep running."""
+        out = []
+        for req in requests:
+            if not req.is_finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                req.error = message
+                out.append(self._delta(req))
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step -----------------------------------------------------------------------
+
+    def step(self) -> tuple[list[CompletionDelta], Optional[StepStats], list[RequestStats]]:
+        t0 = time.perf_counter()
+        preempt_before = self.scheduler.num_preemptions
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            return [], None, []
+        runner_out = self.runner.execute(sched)
+        advanced = self.scheduler.update(sched, runner_out.sampled)
+        t2 = time.perf_counter()
+
+        deltas: list[CompletionDelta] = []
+        finished_stats: list[RequestStats] = []
+        now = time.monotonic()
+        for req in advanced:
+            lp = runner_out.logprobs.get(req.request_id)
+            if lp is not None:
+                req.output_logprobs.append(lp)
+            if req.times.first_token is None:
+                req.times.first_token = now
+            req.times.last_token = now
+            state = self.text_states[req.request_id]
+            stop = state.update(req, token_level_stop=req.status == RequestStatus.FINISHED_STOPPED)
+            if stop is not None and not req.is_finished:
+                req.stop_reason = stop
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        for rid, lps in runner_out.prompt_logprobs.items():
+            req = next(s.request for s in sched.scheduled if s.request.request_id == rid)
+            if len(req.prompt_logprobs) < req.num_prompt_tokens:
+                req.prompt_logprobs.extend(lps)
+        for req in advanced:
+            deltas.append(self._delta(req))
+            if req.is_finished:
+                finished_stats.append(self._request_stats(req))
+        t3 = time.perf_counter()
+
+        tm = runner_out.timings
+        cache_stats = self.kv.stats.reset()
+        stats = StepStats(
+            schedule_s=t1 - t0,
+            prepare_inputs_s=tm.prepare_inputs_s,
+            kv_cache_update_s=tm.kv_cache_update_s,
+            attention_s=tm.attention_s,
+            model_forward_s=tm.model_forward_s,
+            sampling_s=tm.sampling_s,
+            detokenize_s=t3 - t2,
+            total_s=t3 - t0,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
+            kv_usage=self.kv.usage,
+            num_preemptions=self.scheduler.num_preemptions - preempt_before,
+            prefix_cache_queries=cache_stats.queries,
+            prefix_cache_hits=cache_stats.hits,
+        )
+        return deltas, stats, finished_stats
+
+    def _delta(self, req: Request) -> CompletionDelta:
+        state = self.text_states.get(req.request_id)
+        finished = req.is_finished
+        new_text = state.take_new_text(finished) if state is not None else ""
+        new_ids = req.output_token_ids[req.num_sent_tokens :]
+        new_lps = req.output_logprobs[req.num_sent_tokens :]
+        req.num_sent_tokens = req.num_output_tokens
+        prompt_lps = None
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            if len(req.prompt_logprobs) >= req.num_prompt_tokens or finished:
+                prompt_lps = req.prompt_logprobs
+                req.prompt_logprobs_sent = True
+        if finished:
+            self.text_states.pop(req.request_id, None)
+        return CompletionDelta(
+            request_id=req.request_id,
+            parent_id=req.parent_id,
+            index=req.index,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            new_logprobs=new_lps,
+            finished=finished,
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=prompt_lps,
+            error=req.error,
+            times=req.times if finished else None,
+        )
+
+    def _request_stats(self, req: Request) -> RequestStats:
+        t = req.times
+        end = t.finished or time.monotonic()
+        tpot = None
+        if t.first_token is not None and t.last_token is not None and req.num_output_tokens > 1:
+            tpot = (t.last_token - t.first_token) / (req.num_output_tokens - 1)
+        return RequestStats(
+            request_id=req.request_id,
+            finish_reason=req.status.value,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            queue_s=(t.first_scheduled or end) - t.arrival,
+            ttft_s=(t.first_token - t.arrival) if t.first_token is not None else None,
+            e2e_s=end - t.arrival,
+            tpot_s=tpot,
+        )
+
+
+def _default_name(source: str) -> str:
+    """'.../SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'; a directory -> its name."""
+    base = os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
+    stem, _, last = base.rpartition(".")
+    return stem if stem and last.upper().startswith(("Q", "F", "BF", "IQ")) else base
+
+
+class LLM:
+    """Offline batch generation: ``LLM(model="default").generate(["Hello"], SamplingParams(max_tokens=8))``."""
+
+    def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, **kwargs) -> None:  # noqa: ANN003
+        config = config or EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        order: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, params_list):
+            rid = str(next(self._ids))
+            reqs = self.engine.add_request(rid, prompt, p)
+            order.append(rid)
+            results[rid] = RequestOutput(
+                rid,
+                reqs[0].prompt_token_ids,
+                [CompletionOutput(i, "", [], None) for i in range(p.n)],
+            )
+        while self.engine.has_unfinished():
+            deltas, _, _ = self.engine.step()
+            for d in deltas:
+                out = results[d.parent_id]
+                choice = out.outputs[d.index]
+                choice.text += d.new_text
+                choice.token_ids.extend(d.new_token_ids)
+                choice.logprobs.extend(d.new_logprobs)
+                if d.prompt_logprobs is not None:
+                    out.prompt_logprobs = d.prompt_logprobs
+                out.num_cached_tokens = max(out.num_cached_tokens, d.num_cached_tokens)
+                if d.finished:
+                    choice.finish_reason = d.finish_reason
+                    choice.stop_reason = d.stop_reason
+        return [results[rid] for rid in order]

@@ -1,0 +1,213 @@
+"""KV-cache block manager: a block pool with a free list, block tables, automatic prefix caching.
+
+Blocks hold ``block_size`` tokens of every layer's K and V.  A full block whose
+tokens are all computed gets a hash that chains over everything before it, so a
+later request with the same prefix reuses it.  Freed blocks keep their hash and
+sit in the free list in LRU order; they are evicted (forget their hash) only
+when a new block is needed.  Nothing here touches tensors: it hands out block ids.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.request import Request
+
+BlockHash = int
+
+
+@dataclass
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: Optional[BlockHash] = None
+
+
+class BlockPool:
+    """Owns every block.  ``free`` is ordered oldest-first: the front is evicted first."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.enable_caching = enable_caching
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def take(self, n: int) -> list[KVCacheBlock]:
+        """Pop ``n`` free blocks (caller checked there are enough), evicting any cached content."""
+        out = []
+        for _ in range(n):
+            _, block = self.free.popitem(last=False)
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on cache hits; a hit on a free block pulls it out of the free list."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop a reference; blocks that reach zero go to the back of the free list.
+
+        Callers pass a request's blocks last-first, so a request's tail (least
+        likely to be shared) is evicted before its head.
+        """
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free[block.block_id] = block
+
+    def lookup(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
+        return self.cached.get(block_hash)
+
+    def register(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+
+def hash_block(parent: Optional[BlockHash], token_ids: tuple[int, ...]) -> BlockHash:
+    """Chain hash: equal only when every token of this block and all before it match (up to 64-bit collisions)."""
+    return hash((parent, token_ids))
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found cached
+
+    def reset(self) -> "PrefixCacheStats":
+        out = PrefixCacheStats(self.queries, self.hits)
+        self.queries = self.hits = 0
+        return out
+
+
+class KVCacheManager:
+    """Per-request block tables on top of the pool; the scheduler's only view of KV memory."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.req_num_cached: dict[str, int] = {}  # leading blocks already registered in the cache
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by live requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.num_blocks
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[i * bs : (i + 1) * bs])))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks for a request about to start; at least one token stays to compute."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Optional[list[KVCacheBlock]] = None
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones; False if the pool is short."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        computed_blocks = computed_blocks or []
+        num_computed = request.num_computed_tokens if blocks is not None else len(computed_blocks) * self.block_size
+        needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        have = (len(blocks) if blocks is not None else 0) + len(computed_blocks)
+        # Cache hits sitting in the free list are not free for this request's new blocks.
+        free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if needed - have > self.pool.num_free - free_hits:
+            return False
+        if blocks is None:
+            blocks = self.req_blocks[rid] = []
+            self.req_block_ids[rid] = []
+            self.req_num_cached[rid] = len(computed_blocks)
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            self.req_block_ids[rid].extend(b.block_id for b in computed_blocks)
+        if needed > len(blocks):
+            new = self.pool.take(needed - len(blocks))
+            blocks.extend(new)
+            self.req_block_ids[rid].extend(b.block_id for b in new)
+        return True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's newly completed full blocks so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if blocks is None:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        start = self.req_num_cached[rid]
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.register(blocks[i], hashes[i])
+        self.req_num_cached[rid] = num_full
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.req_block_ids[request_id]
+
+    def free(self, request: Request) -> None:
+        """Return every block of the request (preemption, finish or abort). Idempotent."""
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, None)
+        self.req_block_ids.pop(rid, None)
+        self.req_num_cached.pop(rid, None)
+        if blocks:
+            self.pool.release(list(reversed(blocks)))
+
+    def forget(self, request: Request) -> None:
+        """Drop the request's hash list too (it is finished for good)."""
+        self.free(request)
+        self.req_hashes.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.pool.free.values():
+            block.block_hash = None
+        self.pool.cached = {h: b for h, b in self.pool.cached.items() if b.ref_cnt > 0}

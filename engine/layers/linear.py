@@ -1,0 +1,30 @@
+"""Linear layers that hold a dense weight and, optionally, a packed low-bit copy for small batches.
+
+Small batches (decode) are memory-bound: reading 4-bit or 8-bit blocks instead
+of bf16 cuts the bytes per token, so they go to the packed kernel when one is
+attached.  Large batches (prefill) are compute-bound and go to the dense matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: Optional[Any] = None  # set by engine.layers.quant.attach_packed()
+        self.packed_max_rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= self.packed_max_rows:
+            return self.packed(x, self.bias)
+        return F.linear(x, self.weight, self.bias)

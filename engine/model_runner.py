@@ -1,0 +1,185 @@
+"""Scheduler output -> model inputs -> logits -> sampled tokens.
+
+Owns the model weights and the KV-cache tensors (one per layer, shaped
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]``).  Each step it builds
+the flattened input ids, positions, slot mapping, query start locations,
+sequence lengths and block tables, runs the model once, and computes logits only
+for rows that sample (plus prompt rows of requests that asked for prompt logprobs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from engine.attention.backends.cpu import CPUAttentionBackend, CPUAttentionMetadata, kv_cache_torch_dtype
+from engine.config import EngineConfig, ModelConfig
+from engine.forward_context import ForwardContext, set_forward_context
+from engine.models.llama import LlamaForCausalLM
+from engine.request import Logprob, Request
+from engine.sampler import sample, top_logprobs
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimings:
+    prepare_inputs_s: float = 0.0
+    model_forward_s: float = 0.0
+    kv_cache_update_s: float = 0.0
+    attention_s: float = 0.0
+    sampling_s: float = 0.0
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]  # request id -> token, for requests that sample this step
+    logprobs: dict[str, Logprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Optional[Logprob]]] = field(default_factory=dict)  # appended chunk by chunk
+    timings: StepTimings = field(default_factory=StepTimings)
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
+    elem = torch.empty(0, dtype=cache_dtype).element_size()
+    return model.num_hidden_layers * model.num_key_value_heads * block_size * 2 * model.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, num_blocks: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        self.dtype = config.torch_dtype
+        self.model = LlamaForCausalLM(model_config, config.cache, self.dtype, max_model_len)
+        self.num_blocks = num_blocks
+        self.max_blocks_per_req = -(-max_model_len // self.block_size)
+        self.kv_caches: list[torch.Tensor] = []
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.model.load_weights(weights)
+        self.model.eval()
+
+    def allocate_kv_cache(self) -> None:
+        """One tensor per layer, bound to its attention layer.  torch.empty: pages become resident as they fill."""
+        cache_dtype = kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype)
+        shape = CPUAttentionBackend.get_kv_cache_shape(
+            self.num_blocks, self.block_size, self.model_config.num_key_value_heads, self.model_config.head_dim
+        )
+        layers = self.model.attention_layers()
+        self.kv_caches = [torch.empty(shape, dtype=cache_dtype) for _ in layers]
+        by_name = {layer.layer_name: layer for layer in layers}
+        for layer, cache in zip(layers, self.kv_caches):
+            target = layer.kv_sharing_target_layer_name
+            layer.kv_cache = by_name[target].kv_cache if target else cache
+
+    # --- one step -----------------------------------------------------------------------
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, CPUAttentionMetadata, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        query_start = [0]
+        seq_lens = []
+        logit_rows: list[int] = []
+        num_reqs = len(out.scheduled)
+        max_blocks = max((len(s.block_ids) for s in out.scheduled), default=1)
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+        num_decodes = 0
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            start, n = req.num_computed_tokens, s.num_new_tokens
+            ids.extend(req.all_token_ids[start : start + n])
+            pos = np.arange(start, start + n, dtype=np.int64)
+            table = np.asarray(s.block_ids, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            block_table[i, : len(s.block_ids)] = s.block_ids
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+            if n == 1:
+                num_decodes += 1
+            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                logit_rows.extend(range(query_start[-2], query_start[-1]))
+            elif s.samples:
+                logit_rows.append(query_start[-1] - 1)
+        meta = CPUAttentionMetadata(
+            num_actual_tokens=len(ids),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=torch.from_numpy(block_table),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            max_seq_len=max(seq_lens),
+            query_start_loc_list=query_start,
+            seq_lens_list=seq_lens,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        return input_ids, torch.from_numpy(np.concatenate(positions)), meta, logit_rows
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
+        input_ids, positions, meta, logit_rows = self._prepare(out)
+        t1 = time.perf_counter()
+        ctx = ForwardContext(meta)
+        with set_forward_context(ctx):
+            hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        t2 = time.perf_counter()
+        result = self._sample(out, logits, logit_rows, meta)
+        t3 = time.perf_counter()
+        result.timings = StepTimings(t1 - t0, t2 - t1, ctx.kv_update_s, ctx.attention_s, t3 - t2)
+        return result
+
+    def _sample(
+        self, out: SchedulerOutput, logits: Optional[torch.Tensor], logit_rows: list[int], meta: CPUAttentionMetadata
+    ) -> RunnerOutput:
+        result = RunnerOutput(sampled={})
+        if logits is None:
+            return result
+        row_of = {r: i for i, r in enumerate(logit_rows)}
+        qsl = meta.query_start_loc_list
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            start, end = qsl[i], qsl[i + 1]
+            if req.params.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                result.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, s.num_new_tokens, logits, row_of, start)
+            if s.samples:
+                sample_rows.append(row_of[end - 1])
+                sample_reqs.append(req)
+        if sample_reqs:
+            rows = logits[sample_rows] if len(sample_rows) != logits.shape[0] else logits
+            sampled = sample(rows, sample_reqs)
+            for req, token, lp in zip(sample_reqs, sampled.token_ids, sampled.logprobs):
+                result.sampled[req.request_id] = token
+                if lp is not None:
+                    result.logprobs[req.request_id] = lp
+        return result
+
+    def _prompt_logprobs(
+        self, req: Request, n: int, logits: torch.Tensor, row_of: dict[int, int], start: int
+    ) -> list[Optional[Logprob]]:
+        """Logprob of each prompt token given the ones before it, for the prompt tokens this chunk predicts."""
+        first = req.num_computed_tokens
+        out: list[Optional[Logprob]] = [None] if first == 0 else []  # the first prompt token has no context
+        # Row for position p predicts token p + 1; only predict tokens that are still prompt tokens.
+        last = min(first + n, req.num_prompt_tokens - 1)
+        if last <= first:
+            return out
+        rows = torch.tensor([row_of[start + (p - first)] for p in range(first, last)])
+        targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1])
+        lps = logits[rows].log_softmax(-1)
+        out.extend(top_logprobs(lps, targets, [req.params.prompt_logprobs] * len(targets)))
+        return out

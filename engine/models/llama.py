@@ -1,0 +1,173 @@
+"""Llama-family decoder (Llama, SmolLM, Qwen2): one implementation, configured by ModelConfig.
+
+Works on a flattened batch: ``input_ids`` and ``positions`` are [num_tokens] for
+every request of the step back to back; the attention layer finds each
+request's rows and cache from the step's forward context.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.attention.layer import Attention
+from engine.config import CacheConfig, ModelConfig
+from engine.layers.fused import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from engine.layers.linear import Linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rope_cos_sin(config: ModelConfig, max_positions: int) -> torch.Tensor:
+    """float32 [max_positions, head_dim] = [cos | sin] of the rotary angles (HF's default and llama3 scaling)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind != "default":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, cache: CacheConfig, dtype: torch.dtype, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_name=f"model.layers.{layer_idx}.self_attn.attn",
+            kv_cache_dtype=cache.kv_cache_dtype,
+            block_size=cache.block_size,
+            model_dtype=dtype,
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = apply_rope(positions, q, k, cos_sin, self.head_dim)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, cache: CacheConfig, dtype: torch.dtype, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, cache, dtype, layer_idx)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cos_sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack + LM head.  ``forward`` returns final hidden states; ``compute_logits`` the rows asked for."""
+
+    def __init__(self, config: ModelConfig, cache: CacheConfig, dtype: torch.dtype, max_model_len: int) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, cache, dtype, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("cos_sin", rope_cos_sin(config, max_model_len), persistent=False)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, self.cos_sin)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, merging q/k/v and gate/up into one matmul each."""
+        params = dict(self.named_parameters())
+        consumed = set()
+
+        def put(name: str, tensor: torch.Tensor, rows: slice | None = None) -> None:
+            dst = params[name]
+            (dst.data[rows] if rows is not None else dst.data).copy_(tensor)
+
+        q, kv = self.config.num_attention_heads * self.config.head_dim, self.config.num_key_value_heads * self.config.head_dim
+        inter = self.config.intermediate_size
+        merged = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
+            "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
+            "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
+            "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
+            "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
+        }
+        for name, tensor in weights.items():
+            target, rows = name.removeprefix("model."), None
+            for src, (dst, sl) in merged.items():
+                if f".{src}." in target:
+                    target, rows = target.replace(src, dst), sl
+                    break
+            if target == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if target not in params:
+                raise KeyError(f"unexpected weight {name!r}")
+            put(target, tensor, rows)
+            consumed.add(target)
+        missing = set(params) - consumed - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        if missing:
+            raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")

@@ -1,0 +1,61 @@
+"""Builds and loads the project's C++ extension (``engine/csrc``), once, at first use.
+
+``make install`` (and the Docker build) run ``python -m engine.native`` so a
+server never compiles on its start-up path.  Every kernel in the extension
+picks its instruction set per function (GCC ``target`` attributes) and is
+dispatched at run time from the CPU's flags, so one build runs on any x86-64
+host.  When the compiler or ninja is missing the engine runs on portable torch
+code; ``CPUSERVE_NATIVE=0`` forces that.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import os
+import sys
+from types import ModuleType
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build_dir() -> str:
+    return os.environ.get("CPUSERVE_BUILD_DIR") or os.path.join(_REPO, "build", "native")
+
+
+@functools.lru_cache(maxsize=1)
+def load(verbose: bool = False) -> Optional[ModuleType]:
+    """The compiled extension, or None (with one warning) when it cannot be built here."""
+    if os.environ.get("CPUSERVE_NATIVE", "1") == "0":
+        return None
+    sources = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
+    if not sources:
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        os.makedirs(build_dir(), exist_ok=True)
+        return cpp_extension.load(
+            name="cpuserve_C",
+            sources=sources,
+            build_directory=build_dir(),
+            extra_cflags=["-O3", "-fopenmp", "-std=c++17", "-Wno-unused-function"],
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[_CSRC],
+            verbose=verbose,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means: run the portable path
+        logger.warning("native kernels unavailable, using portable torch kernels: %s", str(exc).splitlines()[0])
+        return None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    mod = load(verbose="-v" in sys.argv)
+    print("native extension:", "built" if mod is not None else "unavailable", build_dir())
+    sys.exit(0 if mod is not None or "--optional" in sys.argv else 1)

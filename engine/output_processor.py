@@ -1,0 +1,62 @@
+"""Tokens -> text for each request: incremental detokenization and stop strings.
+
+Runs inside the engine step (its time is the step's "detokenize" phase) so that a
+stop string finishes the request, and frees its KV blocks, in the same step.
+While streaming, text that could still grow into a stop string is held back.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from engine.request import Request
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestTextState:
+    def __init__(self, tokenizer: Tokenizer, request: Request) -> None:
+        p = request.params
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, p.skip_special_tokens)
+        self.stops = p.stop
+        self.include_stop = p.include_stop_str_in_output
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0  # characters of self.text already emitted
+        self.num_tokens_seen = 0
+        self.stopped: Optional[str] = None  # the stop string that ended the request
+
+    def update(self, request: Request, token_level_stop: bool) -> Optional[str]:
+        """Feed the request's new tokens; returns a matched stop string (the request must then finish)."""
+        new_ids = request.output_token_ids[self.num_tokens_seen :]
+        self.num_tokens_seen = request.num_output_tokens
+        if token_level_stop and new_ids and not self.include_stop:
+            new_ids = new_ids[:-1]  # the EOS / stop token itself is not part of the text
+        for tid in new_ids:
+            before = len(self.text)
+            self.text += self.detok.add(tid)
+            if self.stops and self.stopped is None and len(self.text) > before:
+                hit = self._find_stop(before)
+                if hit is not None:
+                    return hit
+        return None
+
+    def _find_stop(self, new_from: int) -> Optional[str]:
+        start = max(0, new_from - self.holdback)
+        best: Optional[tuple[int, str]] = None
+        for s in self.stops:
+            idx = self.text.find(s, start)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+        self.stopped = s
+        return s
+
+    def take_new_text(self, finished: bool) -> str:
+        """Text not yet emitted; while running, keep back what could be the start of a stop string."""
+        end = len(self.text) if finished or not self.stops else max(self.sent, len(self.text) - self.holdback)
+        out = self.text[self.sent : end]
+        self.sent = end
+        return out
