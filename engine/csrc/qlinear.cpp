@@ -1,0 +1,521 @@
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W kept in packed GGUF blocks (see qlinear.h).
+//
+// llama.cpp's recipe: each 32-block of an activation row is quantized to int8 with one float scale
+// (and its block sum, for Q4_1's offset and Q8_0's unsigned shift), then weight and activation
+// quants meet in integer dot products (VNNI `vpdpbusd`, or AVX2 `vpmaddubsw`).  Decode is
+// memory-bound, so the point is reading 4.5-8.5 bits per weight instead of 16; the int8 activation
+// costs a small, measured accuracy loss (see engine/layers/quant.py).
+//
+// One build runs anywhere: every path carries a GCC `target` attribute and the best one is picked
+// at run time; the scalar path is the portable reference.  Work splits over groups of 16 output
+// rows across OpenMP threads (torch's own libgomp, so one thread pool), and the activation
+// quantization happens inside the same parallel region.
+#include "ops.h"
+#include "qlinear.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace qlinear {
+namespace {
+
+// ---------------------------------------------------------------- shared helpers
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+struct Problem {
+  const uint8_t* w;
+  int qtype;
+  int64_t n, k;
+  int nb;       // blocks per row = k / 32
+  int64_t groups;
+  int gbytes;   // bytes of one group-block
+  int m;        // activation rows
+  // quantized activations: xq [m][k] int8; per block: xd scale, xs = xd * sum(q), xsum = sum(q)
+  const int8_t* xq;
+  const float* xd;
+  const float* xs;
+  const int32_t* xsum;
+  // output [m, n] with row stride ldo; bias [n] or null
+  void* out;
+  int64_t ldo;
+  bool out_bf16;
+  const void* bias;
+  bool bias_bf16;
+};
+
+// Activation row quantization, identical arithmetic on every path: d = amax / 127,
+// q = nearbyint(x * (1 / d)) (ties to even, the SIMD conversion's rounding).
+struct QuantRow {
+  const void* x;
+  bool bf16;
+  int64_t k;
+  int8_t* q;
+  float* d;
+  float* s;
+  int32_t* sum;
+};
+
+void quantize_row_scalar(const QuantRow& r) {
+  const int nb = static_cast<int>(r.k / kBlock);
+  for (int b = 0; b < nb; ++b) {
+    float v[kBlock];
+    for (int i = 0; i < kBlock; ++i) {
+      const int64_t j = static_cast<int64_t>(b) * kBlock + i;
+      v[i] = r.bf16 ? bf16_to_float(static_cast<const uint16_t*>(r.x)[j]) : static_cast<const float*>(r.x)[j];
+    }
+    float amax = 0.f;
+    for (float f : v) amax = std::max(amax, std::fabs(f));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const int q = static_cast<int>(std::nearbyint(v[i] * id));
+      r.q[b * kBlock + i] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    r.d[b] = d;
+    r.sum[b] = sum;
+    r.s[b] = d * static_cast<float>(sum);
+  }
+}
+
+// ---------------------------------------------------------------- scalar path (portable reference)
+
+void group_scalar(const Problem& p, int64_t g) {
+  const int rows_valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
+  const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(p.gbytes);
+  for (int t = 0; t < p.m; ++t) {
+    const int8_t* xq = p.xq + static_cast<int64_t>(t) * p.k;
+    float acc[kGroupRows] = {0};
+    for (int b = 0; b < p.nb; ++b) {
+      const uint8_t* gb = wg + static_cast<int64_t>(b) * p.gbytes;
+      const int8_t* xb = xq + b * kBlock;
+      const float xd = p.xd[t * p.nb + b], xs = p.xs[t * p.nb + b];
+      for (int r = 0; r < kGroupRows; ++r) {
+        int32_t dot = 0;
+        if (p.qtype == kQ8_0) {
+          for (int c = 0; c < 8; ++c)
+            for (int j = 0; j < 4; ++j) dot += (static_cast<int>(gb[c * 64 + r * 4 + j]) - 128) * xb[c * 4 + j];
+          const float d = half_to_float(reinterpret_cast<const uint16_t*>(gb + 512)[r]);
+          acc[r] += static_cast<float>(dot) * (d * xd);
+        } else {
+          for (int c = 0; c < 4; ++c)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = gb[c * 64 + r * 4 + j];
+              dot += (byte & 15) * xb[c * 4 + j] + (byte >> 4) * xb[16 + c * 4 + j];
+            }
+          const float d = half_to_float(reinterpret_cast<const uint16_t*>(gb + 256)[r]);
+          const float m = p.qtype == kQ4_1 ? half_to_float(reinterpret_cast<const uint16_t*>(gb + 288)[r]) : -8.f * d;
+          acc[r] += static_cast<float>(dot) * (d * xd);
+          acc[r] += m * xs;
+        }
+      }
+    }
+    for (int r = 0; r < rows_valid; ++r) {
+      const int64_t col = g * kGroupRows + r;
+      float v = acc[r];
+      if (p.bias)
+        v += p.bias_bf16 ? bf16_to_float(static_cast<const uint16_t*>(p.bias)[col]) : static_cast<const float*>(p.bias)[col];
+      if (p.out_bf16)
+        static_cast<uint16_t*>(p.out)[t * p.ldo + col] = float_to_bf16(v);
+      else
+        static_cast<float*>(p.out)[t * p.ldo + col] = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- AVX-512 VNNI path
+
+#define QL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+
+QL_AVX512 inline __m512 load_x16_avx512(const void* x, bool bf16, int64_t i) {
+  if (bf16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(x) + i);
+}
+
+QL_AVX512 void quantize_row_avx512(const QuantRow& r) {
+  const int nb = static_cast<int>(r.k / kBlock);
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int b = 0; b < nb; ++b) {
+    const __m512 v0 = load_x16_avx512(r.x, r.bf16, static_cast<int64_t>(b) * kBlock);
+    const __m512 v1 = load_x16_avx512(r.x, r.bf16, static_cast<int64_t>(b) * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const __m512 vid = _mm512_set1_ps(id);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));  // MXCSR default: nearest even
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q + b * kBlock), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    r.d[b] = d;
+    r.sum[b] = sum;
+    r.s[b] = d * static_cast<float>(sum);
+  }
+}
+
+QL_AVX512 inline void store16_avx512(const Problem& p, int t, int64_t col, int valid, __m512 v) {
+  const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1);
+  if (p.bias) {
+    __m512 bv;
+    if (p.bias_bf16)
+      bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p.bias) + col)), 16));
+    else
+      bv = _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p.bias) + col);
+    v = _mm512_add_ps(v, bv);
+  }
+  if (p.out_bf16) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_add_epi32(
+        u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512i h = _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(rounded, 16), _mm512_set1_epi32(0x7fc0));
+    _mm512_mask_cvtepi32_storeu_epi16(static_cast<uint16_t*>(p.out) + t * p.ldo + col, mask, h);
+  } else {
+    _mm512_mask_storeu_ps(static_cast<float*>(p.out) + t * p.ldo + col, mask, v);
+  }
+}
+
+// MT activation rows against one 16-row group.
+template <int QT, int MT>
+QL_AVX512 void group_avx512(const Problem& p, int64_t g, int t0) {
+  const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(p.gbytes);
+  const int nb = p.nb;
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* gb = wg + static_cast<int64_t>(b) * p.gbytes;
+    if (QT == kQ8_0) {
+      __m512i w[8];
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(gb + c * 64);
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 512)));
+      for (int t = 0; t < MT; ++t) {
+        const int64_t row = t0 + t;
+        const int32_t* xw = reinterpret_cast<const int32_t*>(p.xq + row * p.k + b * kBlock);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(xw[c]));
+          s1 = _mm512_dpbusd_epi32(s1, w[c + 1], _mm512_set1_epi32(xw[c + 1]));
+        }
+        // weights are q + 128: remove 128 * sum(x_q)
+        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * p.xsum[row * nb + b]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(p.xd[row * nb + b])), acc[t]);
+      }
+    } else {
+      __m512i lo[4], hi[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(gb + c * 64);
+        lo[c] = _mm512_and_si512(v, low4);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 256)));
+      const __m512 mv = QT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 288)))
+                                    : _mm512_mul_ps(dv, _mm512_set1_ps(-8.f));
+      for (int t = 0; t < MT; ++t) {
+        const int64_t row = t0 + t;
+        const int32_t* xw = reinterpret_cast<const int32_t*>(p.xq + row * p.k + b * kBlock);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+          s0 = _mm512_dpbusd_epi32(s0, lo[c], _mm512_set1_epi32(xw[c]));
+          s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(xw[4 + c]));
+        }
+        const __m512i s = _mm512_add_epi32(s0, s1);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(p.xd[row * nb + b])), acc[t]);
+        acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(p.xs[row * nb + b]), acc[t]);
+      }
+    }
+  }
+  const int valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
+  for (int t = 0; t < MT; ++t) store16_avx512(p, t0 + t, g * kGroupRows, valid, acc[t]);
+}
+
+template <int QT>
+QL_AVX512 void group_rows_avx512(const Problem& p, int64_t g) {
+  constexpr int kTile = 4;
+  int t = 0;
+  for (; t + kTile <= p.m; t += kTile) group_avx512<QT, kTile>(p, g, t);
+  switch (p.m - t) {
+    case 3: group_avx512<QT, 3>(p, g, t); break;
+    case 2: group_avx512<QT, 2>(p, g, t); break;
+    case 1: group_avx512<QT, 1>(p, g, t); break;
+    default: break;
+  }
+}
+
+QL_AVX512 void group_avx512_dispatch(const Problem& p, int64_t g) {
+  switch (p.qtype) {
+    case kQ4_0: group_rows_avx512<kQ4_0>(p, g); break;
+    case kQ4_1: group_rows_avx512<kQ4_1>(p, g); break;
+    default: group_rows_avx512<kQ8_0>(p, g); break;
+  }
+}
+
+// ---------------------------------------------------------------- AVX2 paths (with and without AVX-VNNI)
+//
+// Same layout, 256-bit halves: rows 0-7 of a group are the low 32 bytes of each chunk, rows 8-15
+// the high 32.  Without VNNI, Q4 products go through `vpmaddubsw` (8 of them summed in int16 cannot
+// overflow: 8 * 2 * 15 * 127 < 32768) and Q8_0 through the sign trick on signed weights.
+
+#define QL_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define QL_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+
+QL_AVX2 inline __m256 load_x8_avx2(const void* x, bool bf16, int64_t i) {
+  if (bf16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(x) + i);
+}
+
+QL_AVX2 inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+QL_AVX2 inline int32_t hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+QL_AVX2 void quantize_row_avx2(const QuantRow& r) {
+  const int nb = static_cast<int>(r.k / kBlock);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int b = 0; b < nb; ++b) {
+    __m256 v[4];
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load_x8_avx2(r.x, r.bf16, static_cast<int64_t>(b) * kBlock + 8 * i);
+      mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+    }
+    const float d = hmax8(mx) / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+      sum = _mm256_add_epi32(sum, q[i]);
+    }
+    // int32 -> int8 keeping order: packs interleave 128-bit lanes, fix with a permute
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]);
+    const __m256i w23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i bytes = _mm256_packs_epi16(w01, w23);
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q + b * kBlock), bytes);
+    const int32_t s = hsum8i(sum);
+    r.d[b] = d;
+    r.sum[b] = s;
+    r.s[b] = d * static_cast<float>(s);
+  }
+}
+
+QL_AVX2 inline void store8(const Problem& p, int t, int64_t col, int valid, __m256 v) {
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int i = 0; i < valid; ++i) {
+    float f = tmp[i];
+    if (p.bias)
+      f += p.bias_bf16 ? bf16_to_float(static_cast<const uint16_t*>(p.bias)[col + i])
+                       : static_cast<const float*>(p.bias)[col + i];
+    if (p.out_bf16)
+      static_cast<uint16_t*>(p.out)[t * p.ldo + col + i] = float_to_bf16(f);
+    else
+      static_cast<float*>(p.out)[t * p.ldo + col + i] = f;
+  }
+}
+
+}  // namespace
+}  // namespace qlinear
+
+#define QL_NS avx2_plain
+#define QL_TARGET QL_AVX2
+#define QL_VNNI 0
+#include "qlinear_avx2.h"
+#undef QL_NS
+#undef QL_TARGET
+#undef QL_VNNI
+
+#define QL_NS avx2_vnni
+#define QL_TARGET QL_AVXVNNI
+#define QL_VNNI 1
+#include "qlinear_avx2.h"
+#undef QL_NS
+#undef QL_TARGET
+#undef QL_VNNI
+
+namespace qlinear {
+namespace {
+
+// ---------------------------------------------------------------- dispatch
+
+bool isa_supported(int isa) {
+  switch (isa) {
+    case kScalar: return true;
+    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case kAvxVnni: return isa_supported(kAvx2) && __builtin_cpu_supports("avxvnni");
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni") && isa_supported(kAvx2);
+    default: return false;
+  }
+}
+
+int best_isa() {
+  static const int best = [] {
+    for (int isa = kAvx512Vnni; isa > kScalar; --isa)
+      if (isa_supported(isa)) return isa;
+    return static_cast<int>(kScalar);
+  }();
+  return best;
+}
+
+// Below this many weight bytes (times activation rows) one thread does the whole product: waking
+// the second costs more than it saves.
+constexpr int64_t kParallelMinBytes = 96 * 1024;
+
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+};
+
+}  // namespace
+}  // namespace qlinear
+
+using namespace qlinear;
+
+std::vector<int64_t> qlinear_isas() {
+  std::vector<int64_t> out;
+  for (int isa = kScalar; isa <= kAvx512Vnni; ++isa)
+    if (isa_supported(isa)) out.push_back(isa);
+  return out;
+}
+
+int64_t qlinear_best_isa() { return best_isa(); }
+
+torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n,
+                              int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear: unsupported qtype ", qtype);
+  TORCH_CHECK(k % kBlock == 0, "qlinear: in_features must be a multiple of 32");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "qlinear: x must be [M, ", k, "]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear: x must be float32 or bfloat16");
+  const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
+  const int gbytes = group_block_bytes(static_cast<int>(qtype));
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == groups * (k / kBlock) * gbytes,
+              "qlinear: packed weight does not match its shape and qtype");
+  if (isa < 0) isa = best_isa();
+  TORCH_CHECK(isa_supported(static_cast<int>(isa)), "qlinear: instruction set path ", isa, " not supported here");
+
+  const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t m = xc.size(0);
+  const bool bf16 = xc.scalar_type() == at::kBFloat16;
+  torch::Tensor out = torch::empty({m, n}, xc.options());
+  if (m == 0) return out;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == n && (b.scalar_type() == at::kFloat || b.scalar_type() == at::kBFloat16),
+                "qlinear: bias must be float32 or bfloat16 with ", n, " elements");
+  }
+
+  const int nb = static_cast<int>(k / kBlock);
+  static thread_local Scratch tls_scratch;
+  Scratch& scratch = tls_scratch;  // the caller's buffers, also inside the parallel region
+  if (scratch.q.size() < static_cast<size_t>(m * k)) scratch.q.resize(m * k);
+  if (scratch.d.size() < static_cast<size_t>(m * nb)) {
+    scratch.d.resize(m * nb);
+    scratch.s.resize(m * nb);
+    scratch.sum.resize(m * nb);
+  }
+
+  Problem p;
+  p.w = packed.data_ptr<uint8_t>();
+  p.qtype = static_cast<int>(qtype);
+  p.n = n;
+  p.k = k;
+  p.nb = nb;
+  p.groups = groups;
+  p.gbytes = gbytes;
+  p.m = static_cast<int>(m);
+  p.xq = scratch.q.data();
+  p.xd = scratch.d.data();
+  p.xs = scratch.s.data();
+  p.xsum = scratch.sum.data();
+  p.out = out.data_ptr();
+  p.ldo = n;
+  p.out_bf16 = bf16;
+  p.bias = b.defined() ? b.data_ptr() : nullptr;
+  p.bias_bf16 = b.defined() && b.scalar_type() == at::kBFloat16;
+
+  const char* xbase = static_cast<const char*>(xc.data_ptr());
+  const int64_t xrow_bytes = xc.stride(0) * xc.element_size();
+  auto quant_row = [&](int64_t r) {
+    QuantRow qr{xbase + r * xrow_bytes, bf16, k, scratch.q.data() + r * k, scratch.d.data() + r * nb,
+                scratch.s.data() + r * nb, scratch.sum.data() + r * nb};
+    if (isa == kAvx512Vnni)
+      quantize_row_avx512(qr);
+    else if (isa >= kAvx2)
+      quantize_row_avx2(qr);
+    else
+      quantize_row_scalar(qr);
+  };
+  auto group = [&](int64_t g) {
+    switch (isa) {
+      case kAvx512Vnni: group_avx512_dispatch(p, g); break;
+      case kAvxVnni: avx2_vnni::group_dispatch(p, g); break;
+      case kAvx2: avx2_plain::group_dispatch(p, g); break;
+      default: group_scalar(p, g); break;
+    }
+  };
+
+  const int64_t work = packed.numel() * m;
+  const int threads = std::min<int64_t>(omp_get_max_threads(), groups);
+  if (work < kParallelMinBytes || threads <= 1 || omp_in_parallel()) {
+    for (int64_t r = 0; r < m; ++r) quant_row(r);
+    for (int64_t g = 0; g < groups; ++g) group(g);
+    return out;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) quant_row(r);
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) group(g);
+  }
+  return out;
+}

@@ -1,0 +1,40 @@
+// Packed low-bit weights for small-batch (decode) matmuls: layout shared by every ISA path.
+//
+// A weight [N, K] in a GGUF block format (Q4_0, Q4_1, Q8_0: blocks of 32 along K) is stored
+// as groups of 16 output rows; a group holds its K/32 blocks back to back ("group-blocks"), so
+// one group is one sequential stream.  Inside a group-block the quants of the 16 rows are
+// interleaved in 4-byte words: chunk c (64 bytes) = for row r = 0..15 the bytes [4c, 4c+4) of
+// that row's quants.  A 512-bit vector of a chunk thus holds 4 quant bytes per row in lane r,
+// and one `vpdpbusd` against 4 activation bytes broadcast to every lane adds 4 products into
+// each row's lane: 16 rows advance at once, and the per-block scales are per-lane vectors.
+//
+//   Q4_0: 4 chunks of nibbles (GGUF byte i: low nibble q[i], high nibble q[i+16]), then 16 fp16 d
+//         value = d * (q - 8)                                               -> 288 bytes
+//   Q4_1: 4 chunks of nibbles, 16 fp16 d, 16 fp16 m; value = d * q + m      -> 320 bytes
+//   Q8_0: 8 chunks of (q XOR 0x80), i.e. q + 128 as unsigned; 16 fp16 d; value = d * q -> 544 bytes
+//
+// The last group is padded with zero rows.  engine/layers/quant.py builds this layout.
+#pragma once
+#include <cstdint>
+
+namespace qlinear {
+
+constexpr int kGroupRows = 16;
+constexpr int kBlock = 32;
+
+// GGML type ids, the qtype argument of the ops.
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+inline int group_block_bytes(int qtype) {
+  switch (qtype) {
+    case kQ4_0: return 16 * 16 + 16 * 2;
+    case kQ4_1: return 16 * 16 + 16 * 4;
+    case kQ8_0: return 16 * 32 + 16 * 2;
+    default: return 0;
+  }
+}
+
+// Instruction-set paths, best last.  `isa` arguments take these values, or -1 for the best available.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+
+}  // namespace qlinear

@@ -1,0 +1,334 @@
+"""Packed low-bit weights (GGUF Q4_0 / Q4_1 / Q8_0 blocks) for the small-batch matmuls of decode.
+
+Decode reads every weight once per token, so its speed is bytes per token over memory bandwidth.
+GGUF files already ship the linear weights as 4.5-8.5 bit blocks; keeping those blocks (instead of
+dequantizing to bf16, 16 bits) and multiplying them directly, as llama.cpp does, reads 2-3.5x
+fewer bytes and is exact with respect to the weights: the float reference model is the dequantized
+file.  The native kernel (``engine/csrc/qlinear.cpp``) quantizes each 32-block of the activation
+row to int8 (one float scale per block) and runs integer dot products (AVX-512 VNNI, AVX-VNNI,
+AVX2, scalar; picked at run time).  That activation rounding is the only approximation; its cost
+on the default model, measured by ``benchmarks/linear_kernels.py --accuracy``, is a few 1e-2 of a
+logit and no change of the greedy token over 64 decode steps (see that script's docstring).
+
+Prefill batches are compute-bound and stay on the dense matmul: ``Linear`` sends only batches of
+at most ``packed_max_rows`` rows here (:func:`default_max_rows`).
+
+Packed layout (built here with torch ops, described in ``engine/csrc/qlinear.h``): groups of 16
+output rows, each a sequential run of "group-blocks" whose quants are interleaved in 4-byte words
+so one vector instruction advances 16 rows at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.layers.linear import Linear
+    from engine.loader import GGUFTensor
+
+logger = logging.getLogger(__name__)
+
+QTYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # GGML type ids, as the native op takes them
+BLOCK = 32
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF bytes per 32 weights
+GROUP_ROWS = 16
+GROUP_BLOCK_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
+
+# Largest batch that goes to the packed kernel (measured on a 2-core AVX-512 VNNI host with
+# benchmarks/linear_kernels.py: the packed kernel wins up to ~32 rows at the model's shapes and
+# loses from ~48, where the dense bf16 GEMM becomes compute-efficient).  CPUSERVE_PACKED_MAX_ROWS
+# overrides it; 0 disables the packed path.
+DEFAULT_MAX_ROWS = 32
+
+
+def _native() -> Optional[Any]:
+    from engine import native
+
+    mod = native.load()
+    return mod if mod is not None and hasattr(mod, "qlinear_forward") else None
+
+
+def native_available() -> bool:
+    return _native() is not None
+
+
+def available_isas() -> list[str]:
+    mod = _native()
+    return [ISA_NAMES[i] for i in mod.qlinear_isas()] if mod is not None else []
+
+
+def isa_id(isa: Optional[str]) -> int:
+    """-1 (best) for None, else the native path id of a name in :data:`ISA_NAMES`."""
+    if isa is None:
+        return -1
+    for k, v in ISA_NAMES.items():
+        if v == isa:
+            return k
+    raise ValueError(f"unknown instruction-set path {isa!r}; known: {', '.join(ISA_NAMES.values())}")
+
+
+class PackedWeight:
+    """A weight [out_features, in_features] held as packed GGUF blocks; ``self(x, bias)`` = F.linear.
+
+    ``isa`` pins an instruction-set path (tests, benchmarks); None takes the best one.  Without the
+    native extension the call falls back to dequantize-then-matmul (correct but slow; the model
+    never attaches a packed weight in that case, see :func:`attach_packed`).
+    """
+
+    def __init__(self, data: torch.Tensor, qtype: str, shape: tuple[int, int], isa: Optional[str] = None) -> None:
+        n, k = shape
+        groups = -(-n // GROUP_ROWS)
+        expected = groups * (k // BLOCK) * GROUP_BLOCK_BYTES[qtype]
+        if data.dtype != torch.uint8 or data.numel() != expected or k % BLOCK:
+            raise ValueError(f"packed {qtype} data of {data.numel()} bytes does not fit shape {shape}")
+        self.data = data.contiguous()
+        self.qtype = qtype
+        self.qtype_id = QTYPE_IDS[qtype]
+        self.shape = (int(n), int(k))
+        self.isa = isa
+        self._isa_id = isa_id(isa)
+        self._op = None
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def with_isa(self, isa: Optional[str]) -> "PackedWeight":
+        """The same packed data, pinned to another instruction-set path."""
+        return PackedWeight(self.data, self.qtype, self.shape, isa)
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        op = self._op
+        if op is None:
+            mod = _native()
+            op = self._op = mod.qlinear_forward if mod is not None else False
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self(x.reshape(-1, x.shape[-1]), bias).view(*lead, self.shape[0])
+        if op is False:
+            y = x.float() @ self.dequantize().t()
+            if bias is not None:
+                y = y + bias.float()
+            return y.to(x.dtype)
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            return op(x.float(), self.data, self.qtype_id, self.shape[0], self.shape[1],
+                      None if bias is None else bias.float(), self._isa_id).to(x.dtype)
+        return op(x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id)
+
+    def to_gguf_blocks(self) -> torch.Tensor:
+        """The raw GGUF blocks, uint8 [out_features, bytes_per_row] (inverse of the packing)."""
+        return unpack_blocks(self.data, self.qtype, self.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out_features, in_features]."""
+        return dequantize_blocks(self.to_gguf_blocks(), self.qtype, self.shape)
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.qtype}, shape={self.shape}, {self.nbytes / 2**20:.2f} MiB, isa={self.isa or 'best'})"
+
+
+# ---------------------------------------------------------------- layout
+
+
+def _fields(qtype: str) -> tuple[int, int]:
+    """(bytes of fp16 scale fields, quant bytes) of one GGUF block."""
+    return {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32)}[qtype]
+
+
+def pack_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    """GGUF blocks uint8 [N, K/32 * block_bytes] -> the kernel's flat uint8 layout (see qlinear.h)."""
+    n, k = shape
+    nb = k // BLOCK
+    bb = BLOCK_BYTES[qtype]
+    if raw.dtype != torch.uint8 or tuple(raw.shape) != (n, nb * bb):
+        raise ValueError(f"{qtype} blocks for shape {shape} must be uint8 [{n}, {nb * bb}], got {tuple(raw.shape)}")
+    groups = -(-n // GROUP_ROWS)
+    if groups * GROUP_ROWS != n:
+        raw = torch.cat([raw, raw.new_zeros(groups * GROUP_ROWS - n, raw.shape[1])])
+    sb, qb = _fields(qtype)
+    r = raw.reshape(groups, GROUP_ROWS, nb, bb)
+    qs = r[..., sb:]
+    if qtype == "Q8_0":
+        qs = qs ^ 0x80  # signed quants as unsigned q + 128 (the kernel subtracts 128 * sum(x_q))
+    chunks = qb // 4
+    qs = qs.reshape(groups, GROUP_ROWS, nb, chunks, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, qb * GROUP_ROWS)
+    parts = [qs]
+    for off in range(0, sb, 2):  # d, then m: 16 fp16 values per field
+        parts.append(r[..., off : off + 2].permute(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP_ROWS))
+    return torch.cat(parts, dim=-1).reshape(-1).contiguous()
+
+
+def unpack_blocks(data: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    """Inverse of :func:`pack_blocks`: uint8 [N, K/32 * block_bytes] GGUF blocks."""
+    n, k = shape
+    nb = k // BLOCK
+    groups = -(-n // GROUP_ROWS)
+    sb, qb = _fields(qtype)
+    chunks = qb // 4
+    g = data.reshape(groups, nb, GROUP_BLOCK_BYTES[qtype])
+    qs = g[..., : qb * GROUP_ROWS].reshape(groups, nb, chunks, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4)
+    qs = qs.reshape(groups, GROUP_ROWS, nb, qb)
+    if qtype == "Q8_0":
+        qs = qs ^ 0x80
+    parts = []
+    base = qb * GROUP_ROWS
+    for off in range(0, sb, 2):
+        f = g[..., base + off * GROUP_ROWS : base + (off + 2) * GROUP_ROWS]
+        parts.append(f.reshape(groups, nb, GROUP_ROWS, 2).permute(0, 2, 1, 3))
+    blocks = torch.cat(parts + [qs], dim=-1).reshape(groups * GROUP_ROWS, nb * BLOCK_BYTES[qtype])
+    return blocks[:n].contiguous()
+
+
+def dequantize_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    """GGUF blocks uint8 [N, bytes_per_row] -> float32 [N, K] (torch port of gguf.quants)."""
+    n, k = shape
+    nb = k // BLOCK
+    r = raw.reshape(n, nb, BLOCK_BYTES[qtype])
+    d = r[..., 0:2].contiguous().view(torch.float16).float()
+    if qtype == "Q8_0":
+        q = r[..., 2:].contiguous().view(torch.int8).float()
+        return (q * d).reshape(n, k)
+    qs = r[..., -16:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+    if qtype == "Q4_0":
+        return ((q - 8) * d).reshape(n, k)
+    m = r[..., 2:4].contiguous().view(torch.float16).float()
+    return (q * d + m).reshape(n, k)
+
+
+# ---------------------------------------------------------------- constructors
+
+
+def pack_gguf(tensors: Sequence["GGUFTensor"], isa: Optional[str] = None) -> Optional[PackedWeight]:
+    """Pack the row-concatenation of GGUF tensors (e.g. q, k, v -> qkv_proj), or None when there is
+    no kernel for them: a qtype other than Q4_0/Q4_1/Q8_0, mixed qtypes or widths, K not a
+    multiple of 32, or no native extension."""
+    if not tensors:
+        return None
+    qtype = tensors[0].qtype
+    k = int(tensors[0].shape[1])
+    if qtype not in QTYPE_IDS or k % BLOCK or any(t.qtype != qtype or int(t.shape[1]) != k for t in tensors):
+        return None
+    if not native_available():
+        return None
+    n = sum(int(t.shape[0]) for t in tensors)
+    raw = tensors[0].data if len(tensors) == 1 else torch.cat([t.data for t in tensors], dim=0)
+    return PackedWeight(pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa)
+
+
+def quantize_q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
+    """Dense [N, K] -> GGUF Q8_0 blocks uint8 [N, K/32 * 34], bit-identical to gguf.quants / ggml."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"Q8_0 needs in_features divisible by {BLOCK}, got {k}")
+    out = torch.empty(n, k // BLOCK, BLOCK_BYTES["Q8_0"], dtype=torch.uint8)
+    step = max(1, (1 << 22) // k)  # bounded float32 temporaries for big matrices (the LM head)
+    for s in range(0, n, step):
+        b = w[s : s + step].float().reshape(-1, k // BLOCK, BLOCK)
+        d = b.abs().amax(dim=-1, keepdim=True) / 127
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        v = b * inv
+        a = v.abs()
+        fl = a.floor()
+        q = torch.sign(v) * (fl + torch.floor(2 * (a - fl)))  # round half away from zero, as ggml's roundf
+        out[s : s + step, :, 0:2] = d.half().view(torch.uint8)
+        out[s : s + step, :, 2:] = q.to(torch.int8).view(torch.uint8)
+    return out.reshape(n, -1)
+
+
+def quantize_q8_0(w: torch.Tensor, isa: Optional[str] = None) -> PackedWeight:
+    """Q8_0-quantize a dense weight [N, K] (opt-in, lossy: ~0.4% relative error per weight)."""
+    n, k = w.shape
+    return PackedWeight(pack_blocks(quantize_q8_0_blocks(w), "Q8_0", (n, k)), "Q8_0", (int(n), int(k)), isa)
+
+
+# ---------------------------------------------------------------- wiring into the model
+
+
+def default_max_rows() -> int:
+    """Largest batch sent to the packed kernel (env CPUSERVE_PACKED_MAX_ROWS overrides)."""
+    env = os.environ.get("CPUSERVE_PACKED_MAX_ROWS")
+    if env:
+        return max(0, int(env))
+    return DEFAULT_MAX_ROWS
+
+
+def attach_packed(linear: "Linear", packed: Optional[PackedWeight], max_rows: Optional[int] = None) -> bool:
+    """Route ``linear``'s batches of at most ``max_rows`` rows to ``packed``; False if not attached
+    (None, shape mismatch, or no native kernel: the dense path then serves every batch)."""
+    if packed is None:
+        return False
+    if packed.shape != (linear.out_features, linear.in_features):
+        raise ValueError(f"packed weight {packed.shape} does not match linear {(linear.out_features, linear.in_features)}")
+    if not native_available():
+        return False
+    linear.packed = packed
+    linear.packed_max_rows = default_max_rows() if max_rows is None else max_rows
+    return True
+
+
+_MERGED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def attach_gguf_weights(
+    model: nn.Module,
+    gguf_tensors: dict[str, "GGUFTensor"],
+    max_rows: Optional[int] = None,
+    quantize_dense: bool = False,
+) -> dict[str, Any]:
+    """Attach packed weights to every Linear of a Llama-family model (HF names, as the loader gives).
+
+    Each projection takes its GGUF blocks when there is a kernel for their qtype; otherwise, with
+    ``quantize_dense`` (opt-in, lossy), a Q8_0 copy of its dense weight; else it stays dense.  The
+    LM head uses ``lm_head.weight`` or, tied, ``model.embed_tokens.weight``.  Returns counts and
+    packed bytes for the load log.
+    """
+    from engine.layers.linear import Linear
+
+    stats = {"packed": 0, "quantized": 0, "dense": 0, "bytes": 0}
+    if not native_available() or (max_rows is not None and max_rows <= 0):
+        stats["dense"] = sum(1 for m in model.modules() if isinstance(m, Linear))
+        return stats
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        sources: list[str]
+        if name == "lm_head":
+            sources = ["lm_head.weight"] if "lm_head.weight" in gguf_tensors else ["model.embed_tokens.weight"]
+        else:
+            parts = name.split(".")  # layers.<i>.<self_attn|mlp>.<proj>
+            base, key = ".".join(parts[:-2]), ".".join(parts[-2:])
+            sources = [f"model.{base}.{s}.weight" for s in _MERGED.get(key, (key,))]
+        packed = None
+        if all(s in gguf_tensors for s in sources):
+            packed = pack_gguf([gguf_tensors[s] for s in sources])
+        if packed is not None:
+            stats["packed"] += 1
+        elif quantize_dense:
+            packed = quantize_q8_0(module.weight.data)
+            stats["quantized"] += 1
+        else:
+            stats["dense"] += 1
+            continue
+        attach_packed(module, packed, max_rows)
+        stats["bytes"] += packed.nbytes
+    return stats
