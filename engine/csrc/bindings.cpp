@@ -10,4 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_isas", &qlinear_isas, "qlinear instruction-set paths usable on this CPU");
   m.def("qlinear_best_isa", &qlinear_best_isa, "the qlinear path used by default");
   // ---- end qlinear.cpp ----
+  // ---- attention.cpp ----
+  m.def("paged_attention", &paged_attention, "paged attention over the KV cache (writes output)");
+  m.def("reshape_and_cache", &reshape_and_cache, "write new keys/values into their KV-cache slots");
+  m.def("attention_isas", &attention_isas, "attention ISAs usable on this CPU");
+  // ---- end attention.cpp ----
 }

@@ -8,6 +8,7 @@ configuration, everything runs on the portable ``ref`` kernels.
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,13 +41,24 @@ def native_isas() -> frozenset[str]:
     return native.available_isas()
 
 
+def forced_isa_ceiling() -> str:
+    """``CPUSERVE_ATTN_ISA`` (amx/vec512/vec256/ref): the highest ISA selection may pick (benchmarks, tests)."""
+    forced = os.environ.get("CPUSERVE_ATTN_ISA", "").strip().lower()
+    if forced and forced not in ISAS:
+        raise ValueError(f"CPUSERVE_ATTN_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+    return forced or ISAS[0]
+
+
 def select_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
+    ceiling = forced_isa_ceiling()
+    if ceiling == "ref":
+        return "ref"
     isas = native_isas()
     if not isas:
         return "ref"
     from engine.attention.kernels import native
 
-    for isa in ISAS[:-1]:
+    for isa in ISAS[ISAS.index(ceiling) : -1]:
         if isa in isas and native.supports(isa, dtype, block_size, head_size, kv_cache_dtype):
             return isa
     return "ref"

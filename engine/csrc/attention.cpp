@@ -1,0 +1,504 @@
+// Paged attention and KV-cache writes for the CPU backend (engine/attention/kernels/native.py).
+//
+// ISAs (chosen per call by the Python dispatch, checked here against the CPU):
+//   vec256   AVX2 + FMA + F16C, fp32 arithmetic (bf16 / fp8 widened on load)
+//   vec512   AVX-512 F/BW/VL + BF16: bf16 dot products with _mm512_dpbf16_ps, or fp32 FMAs
+//   amx      AMX-BF16 tiles for Q K^T and P V (units of >= amx_min_rows() query rows:
+//            prefill tiles and decode GQA groups); smaller units take vec512
+//   amx_emu  the amx path on a software model of the tiles (tests on non-AMX hosts)
+// The tile loop is in attention_common.h; per-ISA tile operations in attention_vec512.h,
+// attention_vec256.h and attention_amx.h.  Every ISA function carries its own GCC target,
+// so this file builds without -march flags and runs on any x86-64 CPU.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention_common.h"
+#include "attention_vec256.h"
+#include "attention_vec512.h"
+#include "ops.h"
+
+// ------------------------------------------------------------------ AMX, real tiles
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+namespace cpuserve_attn {
+namespace amx {
+// tileloadd's asm statement declares no memory input: fence the compiler so the
+// scratch stores feeding a tile are emitted before it (tilestored clobbers memory).
+#define AMX_CFG(c)                       \
+  do {                                   \
+    __asm__ volatile("" ::: "memory");   \
+    _tile_loadconfig(c);                 \
+  } while (0)
+#define AMX_LOAD(t, ptr, stride)         \
+  do {                                   \
+    __asm__ volatile("" ::: "memory");   \
+    _tile_loadd(t, ptr, stride);         \
+  } while (0)
+#define AMX_STORE(t, ptr, stride) _tile_stored(t, ptr, stride)
+#define AMX_ZERO(t) _tile_zero(t)
+#define AMX_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#define AMX_RELEASE() _tile_release()
+#include "attention_amx.h"
+#undef AMX_CFG
+#undef AMX_LOAD
+#undef AMX_STORE
+#undef AMX_ZERO
+#undef AMX_DP
+#undef AMX_RELEASE
+}  // namespace amx
+}  // namespace cpuserve_attn
+#pragma GCC pop_options
+
+// ------------------------------------------------------------------ AMX, emulated tiles
+namespace cpuserve_attn {
+namespace emu {
+// A software model of the 8 tile registers: enough of the ISA's rules (shapes from the
+// configuration, rows past the configured count read as zero) to catch layout and
+// stride mistakes in attention_amx.h without AMX hardware.
+struct Tiles {
+  alignas(64) uint8_t data[8][16 * 64];
+  int rows[8];
+  int colsb[8];
+};
+static Tiles& tiles() {
+  static thread_local Tiles t;
+  return t;
+}
+static std::atomic<int> g_errors{0};
+
+static void cfg(const void* c) {
+  const uint8_t* b = static_cast<const uint8_t*>(c);
+  Tiles& t = tiles();
+  if (b[0] != 1) g_errors++;
+  for (int i = 0; i < 8; ++i) {
+    uint16_t colsb;
+    std::memcpy(&colsb, b + 16 + 2 * i, 2);
+    t.colsb[i] = colsb;
+    t.rows[i] = b[48 + i];
+    if (colsb > 64 || t.rows[i] > 16) g_errors++;
+  }
+  std::memset(t.data, 0, sizeof(t.data));
+}
+static void load(int i, const void* p, int64_t stride) {
+  Tiles& t = tiles();
+  std::memset(t.data[i], 0, sizeof(t.data[i]));
+  for (int r = 0; r < t.rows[i]; ++r) std::memcpy(t.data[i] + r * 64, static_cast<const uint8_t*>(p) + r * stride, t.colsb[i]);
+}
+static void store(int i, void* p, int64_t stride) {
+  Tiles& t = tiles();
+  for (int r = 0; r < t.rows[i]; ++r) std::memcpy(static_cast<uint8_t*>(p) + r * stride, t.data[i] + r * 64, t.colsb[i]);
+}
+static void zero(int i) { std::memset(tiles().data[i], 0, sizeof(tiles().data[i])); }
+static float bf(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// C[m][n] += sum_k A[m][2k] * B[k][2n] + A[m][2k+1] * B[k][2n+1]   (bf16 in, fp32 out)
+static void dp(int c, int a, int b) {
+  Tiles& t = tiles();
+  const int M = t.rows[a], K = t.colsb[a] / 4, N = t.colsb[c] / 4;
+  if (t.rows[c] != M || t.rows[b] != K || t.colsb[b] != t.colsb[c]) {
+    g_errors++;
+    return;
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int n = 0; n < N; ++n) {
+      float acc;
+      std::memcpy(&acc, t.data[c] + m * 64 + n * 4, 4);
+      for (int k = 0; k < K; ++k) {
+        acc += bf(t.data[a] + m * 64 + k * 4) * bf(t.data[b] + k * 64 + n * 4);
+        acc += bf(t.data[a] + m * 64 + k * 4 + 2) * bf(t.data[b] + k * 64 + n * 4 + 2);
+      }
+      std::memcpy(t.data[c] + m * 64 + n * 4, &acc, 4);
+    }
+  }
+}
+}  // namespace emu
+}  // namespace cpuserve_attn
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+namespace cpuserve_attn {
+namespace amx_emu {
+#define AMX_CFG(c) emu::cfg(c)
+#define AMX_LOAD(t, ptr, stride) emu::load(t, ptr, stride)
+#define AMX_STORE(t, ptr, stride) emu::store(t, ptr, stride)
+#define AMX_ZERO(t) emu::zero(t)
+#define AMX_DP(c, a, b) emu::dp(c, a, b)
+#define AMX_RELEASE() ((void)0)
+#include "attention_amx.h"
+#undef AMX_CFG
+#undef AMX_LOAD
+#undef AMX_STORE
+#undef AMX_ZERO
+#undef AMX_DP
+#undef AMX_RELEASE
+}  // namespace amx_emu
+}  // namespace cpuserve_attn
+#pragma GCC pop_options
+
+// ------------------------------------------------------------------ dispatch and planning
+namespace cpuserve_attn {
+namespace {
+
+enum class Isa { kVec256, kVec512, kAmx, kAmxEmu };
+
+using UnitFn = void (*)(const AttnParams&, const WorkUnit&, float*);
+
+bool cpu_has_vec256() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+bool cpu_has_vec512() {
+  static const bool ok = cpu_has_vec256() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+Isa parse_isa(const std::string& name) {
+  Isa isa;
+  if (name == "vec256") {
+    isa = Isa::kVec256;
+    TORCH_CHECK(cpu_has_vec256(), "attention isa vec256 needs AVX2 + FMA");
+  } else if (name == "vec512") {
+    isa = Isa::kVec512;
+    TORCH_CHECK(cpu_has_vec512(), "attention isa vec512 needs AVX-512 F/BW/VL/DQ + BF16");
+  } else if (name == "amx") {
+    isa = Isa::kAmx;
+    TORCH_CHECK(cpu_has_vec512() && cpu_has_amx(), "attention isa amx needs AMX-BF16 (and Linux permission for it)");
+  } else if (name == "amx_emu") {
+    isa = Isa::kAmxEmu;
+    TORCH_CHECK(cpu_has_vec512(), "attention isa amx_emu needs AVX-512 BF16");
+  } else {
+    TORCH_CHECK(false, "unknown attention isa: ", name);
+  }
+  return isa;
+}
+
+// Query rows (tokens x GQA group) from which a unit is worth AMX tiles; below, vec512.
+// Not yet tuned on hardware: CPUSERVE_ATTN_AMX_MIN_ROWS overrides it.
+int amx_min_rows() {
+  static const int v = [] {
+    const char* e = std::getenv("CPUSERVE_ATTN_AMX_MIN_ROWS");
+    return e ? std::max(1, std::atoi(e)) : 4;
+  }();
+  return v;
+}
+
+UnitFn unit_fn(Isa isa, bool bf16, int R) {
+  switch (isa) {
+    case Isa::kAmx:
+      if (bf16 && R >= amx_min_rows()) return &run_unit<amx::Ops>;
+      break;
+    case Isa::kAmxEmu:
+      if (bf16) return &run_unit<amx_emu::Ops>;
+      break;
+    case Isa::kVec256:
+      return &run_unit<v256::Ops>;
+    case Isa::kVec512:
+      break;
+  }
+  return bf16 ? &run_unit<v512::Bf16Ops> : &run_unit<v512::F32Ops>;
+}
+
+struct Merge {
+  int req, kvh, t0, t1, nsplit;
+  int64_t part_off;
+};
+
+// Combine a long context's splits: O = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s.
+void merge_splits(const AttnParams& p, const Merge& mg, const float* partials) {
+  const int G = p.G, D = p.D, R = (mg.t1 - mg.t0) * G;
+  const int64_t row_stride = D + 2, split_stride = static_cast<int64_t>(R) * row_stride;
+  const int tok = p.qsl[mg.req] + mg.t0;
+  float acc[256];
+  for (int r = 0; r < R; ++r) {
+    const float* base = partials + mg.part_off + r * row_stride;
+    float M = -std::numeric_limits<float>::infinity();
+    for (int s = 0; s < mg.nsplit; ++s) M = std::max(M, base[s * split_stride + D]);
+    float L = 0.f;
+    std::fill(acc, acc + D, 0.f);
+    for (int s = 0; s < mg.nsplit; ++s) {
+      const float* part = base + s * split_stride;
+      if (part[D] == -std::numeric_limits<float>::infinity()) continue;
+      const float w = std::exp(part[D] - M);
+      L += w * part[D + 1];
+      for (int d = 0; d < D; ++d) acc[d] += w * part[d];
+    }
+    const float inv = 1.f / L;
+    const int64_t off = (tok + r / G) * p.o_st + (mg.kvh * G + r % G) * p.o_sh;
+    if (p.model_bf16) {
+      c10::BFloat16* dst = static_cast<c10::BFloat16*>(p.out) + off;
+      for (int d = 0; d < D; ++d) dst[d] = c10::BFloat16(acc[d] * inv);
+    } else {
+      float* dst = static_cast<float*>(p.out) + off;
+      for (int d = 0; d < D; ++d) dst[d] = acc[d] * inv;
+    }
+  }
+}
+
+KvKind kv_kind_of(const at::Tensor& kv_cache, at::ScalarType model) {
+  const auto t = kv_cache.scalar_type();
+  if (t == at::kFloat8_e4m3fn) return KvKind::kE4M3;
+  if (t == at::kFloat8_e5m2) return KvKind::kE5M2;
+  TORCH_CHECK(t == model, "kv cache dtype ", t, " does not match model dtype ", model);
+  return KvKind::kSame;
+}
+
+}  // namespace
+}  // namespace cpuserve_attn
+
+void paged_attention(const std::string& isa_name, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
+                     int64_t num_decodes, int64_t max_query_len, int64_t max_seq_len, double scale, double k_scale,
+                     double v_scale, at::Tensor output) {
+  using namespace cpuserve_attn;
+  (void)num_decodes;
+  (void)max_query_len;
+  (void)max_seq_len;
+  const Isa isa = parse_isa(isa_name);
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_size], last dim contiguous");
+  TORCH_CHECK(output.sizes() == query.sizes() && output.stride(2) == 1 && output.scalar_type() == query.scalar_type(),
+              "output must match query");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "query dtype must be bf16 or fp32");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv cache must be contiguous [blocks, kv_heads, block, 2*D]");
+  const int H = query.size(1), D = query.size(2), Hkv = kv_cache.size(1), B = kv_cache.size(2);
+  const int64_t NB = kv_cache.size(0);
+  TORCH_CHECK(kv_cache.size(3) == 2 * D, "kv cache last dim must be 2 * head_size");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(D % 16 == 0 && D <= 256, "native attention needs head_size % 16 == 0 and <= 256, got ", D);
+  for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_table})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(), "metadata tensors must be int32 on CPU");
+  TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous() && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1,
+              "metadata tensors must be contiguous");
+  const int nreq = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == nreq + 1 && block_table.size(0) >= nreq, "metadata sizes disagree");
+  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK(bf16 || (isa != Isa::kAmx && isa != Isa::kAmxEmu), "amx attention needs bf16");
+
+  AttnParams p;
+  p.q = query.data_ptr();
+  p.q_st = query.stride(0);
+  p.q_sh = query.stride(1);
+  p.out = output.data_ptr();
+  p.o_st = output.stride(0);
+  p.o_sh = output.stride(1);
+  p.kv = static_cast<const uint8_t*>(kv_cache.data_ptr());
+  p.kv_elt = kv_cache.element_size();
+  p.kv_so = 2 * D;
+  p.kv_sh = static_cast<int64_t>(B) * 2 * D;
+  p.kv_sb = static_cast<int64_t>(Hkv) * B * 2 * D;
+  p.bt = block_table.data_ptr<int32_t>();
+  p.bt_s = block_table.stride(0);
+  p.qsl = query_start_loc.data_ptr<int32_t>();
+  p.sl = seq_lens.data_ptr<int32_t>();
+  p.H = H;
+  p.Hkv = Hkv;
+  p.G = H / Hkv;
+  p.D = D;
+  p.Dp = (D + 31) / 32 * 32;
+  p.B = B;
+  p.scale = static_cast<float>(scale);
+  p.k_scale = static_cast<float>(k_scale);
+  p.v_scale = static_cast<float>(v_scale);
+  p.kv_kind = kv_kind_of(kv_cache, dtype);
+  p.model_bf16 = bf16;
+  const int G = p.G;
+  const int mtok = std::max(1, RMAX / G);
+  p.rows_cap = (std::max(RMAX, G) + 15) / 16 * 16;
+
+  // Validate the metadata once, outside the parallel region.
+  const int64_t T = query.size(0), maxb = block_table.size(1);
+  int64_t ngroups = 0;
+  for (int i = 0; i < nreq; ++i) {
+    const int q0 = p.qsl[i], q1 = p.qsl[i + 1], seq = p.sl[i];
+    TORCH_CHECK(0 <= q0 && q0 <= q1 && q1 <= T, "query_start_loc out of range at request ", i);
+    const int qlen = q1 - q0;
+    if (qlen == 0) continue;
+    TORCH_CHECK(seq >= qlen, "seq_len ", seq, " shorter than query length ", qlen, " at request ", i);
+    const int nblk = (seq + B - 1) / B;
+    TORCH_CHECK(nblk <= maxb, "block table too short for request ", i);
+    const int32_t* row = p.bt + i * p.bt_s;
+    for (int b = 0; b < nblk; ++b) TORCH_CHECK(row[b] >= 0 && row[b] < NB, "block id out of range at request ", i);
+    ngroups += static_cast<int64_t>((qlen + mtok - 1) / mtok) * Hkv;
+  }
+  if (ngroups == 0) return;
+
+  // Work units: (request, kv head, <= RMAX query rows); contexts split across threads
+  // (flash decoding) when there are too few units to keep every thread busy.
+  const int nt = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+  const int64_t target = nt > 1 ? 4 * static_cast<int64_t>(nt) : 1;
+  const int64_t want = ngroups >= target ? 1 : (target + ngroups - 1) / ngroups;
+  std::vector<WorkUnit> units;
+  std::vector<Merge> merges;
+  units.reserve(ngroups);
+  int64_t part_size = 0;
+  for (int i = 0; i < nreq; ++i) {
+    const int qlen = p.qsl[i + 1] - p.qsl[i];
+    const int ctx_off = p.sl[i] - qlen;
+    for (int t0 = 0; t0 < qlen; t0 += mtok) {
+      const int t1 = std::min(qlen, t0 + mtok);
+      const int R = (t1 - t0) * G;
+      const int extent = ctx_off + t1;  // keys visible to the last row
+      int split_len = extent, nsplit = 1;
+      if (want > 1) {
+        split_len = std::max<int>(MIN_SPLIT, static_cast<int>((extent + want - 1) / want));
+        split_len = (split_len + KT - 1) / KT * KT;
+        nsplit = (extent + split_len - 1) / split_len;
+        if (nsplit == 1) split_len = extent;
+      }
+      for (int h = 0; h < Hkv; ++h) {
+        if (nsplit == 1) {
+          units.push_back({i, h, t0, t1, 0, extent, -1, static_cast<int64_t>(extent + KT) * (R + 4)});
+          continue;
+        }
+        merges.push_back({i, h, t0, t1, nsplit, part_size});
+        for (int s = 0; s < nsplit; ++s) {
+          const int kb = s * split_len, ke = std::min(extent, kb + split_len);
+          units.push_back({i, h, t0, t1, kb, ke, part_size, static_cast<int64_t>(ke - kb + KT) * (R + 4)});
+          part_size += static_cast<int64_t>(R) * (D + 2);
+        }
+      }
+    }
+  }
+  if (nt > 1)
+    std::stable_sort(units.begin(), units.end(), [](const WorkUnit& a, const WorkUnit& b) { return a.cost > b.cost; });
+  static thread_local std::vector<float> partials;
+  if (static_cast<int64_t>(partials.size()) < part_size) partials.resize(part_size);
+  float* part = partials.data();
+
+  const int64_t nu = units.size(), nm = merges.size();
+  const int errors_before = emu::g_errors.load();
+  if (nt == 1 || nu == 1) {
+    for (int64_t u = 0; u < nu; ++u) {
+      const WorkUnit& w = units[u];
+      unit_fn(isa, bf16, (w.t1 - w.t0) * G)(p, w, part);
+    }
+    for (int64_t m = 0; m < nm; ++m) merge_splits(p, merges[m], part);
+  } else {
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < nu; ++u) {
+        const WorkUnit& w = units[u];
+        unit_fn(isa, bf16, (w.t1 - w.t0) * G)(p, w, part);
+      }
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < nm; ++m) merge_splits(p, merges[m], part);
+    }
+  }
+  if (isa == Isa::kAmxEmu) TORCH_CHECK(emu::g_errors.load() == errors_before, "emulated AMX tile shape error");
+}
+
+std::vector<std::string> attention_isas() {
+  using namespace cpuserve_attn;
+  std::vector<std::string> out;
+  if (cpu_has_vec256()) out.push_back("vec256");
+  if (cpu_has_vec512()) {
+    out.push_back("vec512");
+    out.push_back("amx_emu");
+    if (cpu_has_amx()) out.push_back("amx");
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------ KV-cache writes
+namespace cpuserve_attn {
+namespace {
+
+template <typename Src, typename F8>
+void store_fp8_row(const Src* src, uint8_t* dst, int D, float scale) {
+  for (int d = 0; d < D; ++d) dst[d] = F8(static_cast<float>(src[d]) / scale).x;
+}
+
+}  // namespace
+}  // namespace cpuserve_attn
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                       double k_scale, double v_scale) {
+  using namespace cpuserve_attn;
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type(),
+              "key and value must be [tokens, kv_heads, head_size] of one dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value last dim must be contiguous");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv cache must be contiguous [blocks, kv_heads, block, 2*D]");
+  const int64_t T = key.size(0), Hkv = key.size(1), D = key.size(2);
+  const int64_t NB = kv_cache.size(0), B = kv_cache.size(2);
+  TORCH_CHECK(kv_cache.size(1) == Hkv && kv_cache.size(3) == 2 * D, "kv cache shape does not match key");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.is_contiguous(),
+              "slot_mapping must be [tokens]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt, "slot_mapping must be int");
+  const auto src_t = key.scalar_type(), dst_t = kv_cache.scalar_type();
+  const bool fp8 = dst_t == at::kFloat8_e4m3fn || dst_t == at::kFloat8_e5m2;
+  TORCH_CHECK(fp8 ? (src_t == at::kBFloat16 || src_t == at::kFloat) : src_t == dst_t,
+              "cannot store ", src_t, " keys into a ", dst_t, " cache");
+  std::vector<int64_t> slots(T);
+  if (slot_mapping.scalar_type() == at::kLong) {
+    std::memcpy(slots.data(), slot_mapping.data_ptr<int64_t>(), T * sizeof(int64_t));
+  } else {
+    const int32_t* s = slot_mapping.data_ptr<int32_t>();
+    for (int64_t t = 0; t < T; ++t) slots[t] = s[t];
+  }
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] < NB * B, "slot ", slots[t], " out of range");
+
+  const int64_t src_elt = key.element_size(), dst_elt = kv_cache.element_size();
+  const uint8_t* kp = static_cast<const uint8_t*>(key.data_ptr());
+  const uint8_t* vp = static_cast<const uint8_t*>(value.data_ptr());
+  uint8_t* cache = static_cast<uint8_t*>(kv_cache.data_ptr());
+  const int64_t k_st = key.stride(0), k_sh = key.stride(1), v_st = value.stride(0), v_sh = value.stride(1);
+  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, Hkv * D));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      const int64_t blk = slot / B, off = slot % B;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        uint8_t* dst = cache + (((blk * Hkv + h) * B + off) * 2 * D) * dst_elt;
+        const uint8_t* ks_row = kp + (t * k_st + h * k_sh) * src_elt;
+        const uint8_t* vs_row = vp + (t * v_st + h * v_sh) * src_elt;
+        if (!fp8) {
+          std::memcpy(dst, ks_row, D * dst_elt);
+          std::memcpy(dst + D * dst_elt, vs_row, D * dst_elt);
+          continue;
+        }
+        if (dst_t == at::kFloat8_e4m3fn) {
+          if (src_t == at::kBFloat16) {
+            store_fp8_row<c10::BFloat16, c10::Float8_e4m3fn>(reinterpret_cast<const c10::BFloat16*>(ks_row), dst, D, ks);
+            store_fp8_row<c10::BFloat16, c10::Float8_e4m3fn>(reinterpret_cast<const c10::BFloat16*>(vs_row), dst + D, D, vs);
+          } else {
+            store_fp8_row<float, c10::Float8_e4m3fn>(reinterpret_cast<const float*>(ks_row), dst, D, ks);
+            store_fp8_row<float, c10::Float8_e4m3fn>(reinterpret_cast<const float*>(vs_row), dst + D, D, vs);
+          }
+        } else {
+          if (src_t == at::kBFloat16) {
+            store_fp8_row<c10::BFloat16, c10::Float8_e5m2>(reinterpret_cast<const c10::BFloat16*>(ks_row), dst, D, ks);
+            store_fp8_row<c10::BFloat16, c10::Float8_e5m2>(reinterpret_cast<const c10::BFloat16*>(vs_row), dst + D, D, vs);
+          } else {
+            store_fp8_row<float, c10::Float8_e5m2>(reinterpret_cast<const float*>(ks_row), dst, D, ks);
+            store_fp8_row<float, c10::Float8_e5m2>(reinterpret_cast<const float*>(vs_row), dst + D, D, vs);
+          }
+        }
+      }
+    }
+  });
+}

@@ -1,0 +1,175 @@
+// Shared definitions of the paged-attention kernels (attention.cpp): parameters,
+// per-thread scratch, and the tile loop every ISA runs.  Compiled for the baseline
+// target: the per-ISA work (attention_vec512.h, attention_vec256.h, attention_amx.h)
+// sits in functions with their own GCC target, called once per 32-key tile.
+//
+// Algorithm (flash attention over the paged cache):
+//   a work unit = one request, one kv head, up to RMAX query rows (tokens x the G
+//   query heads of that kv head, so GQA groups share every K/V load), and a key
+//   range [kv_begin, kv_end).  Keys are visited 32 at a time (KT): gathered from
+//   their blocks into a transposed K tile and a pair-interleaved V tile (the
+//   layouts AVX-512 BF16 dot products and AMX tiles consume), scores S = Q K^T,
+//   online softmax (running max m, sum l, rescale alpha), O = O * alpha + P V.
+//   Long contexts with few units are split across threads (flash decoding); the
+//   splits' (m, l, O) are merged afterwards.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace cpuserve_attn {
+
+constexpr int KT = 32;          // keys per tile
+constexpr int RMAX = 64;        // query rows per work unit (tokens x heads of one kv group)
+constexpr int MIN_SPLIT = 128;  // fewest keys one split of a long context gets
+
+enum class KvKind : int { kSame = 0, kE4M3 = 1, kE5M2 = 2 };
+
+struct AttnParams {
+  const void* q;  // [T, H, D], model dtype
+  int64_t q_st, q_sh;
+  void* out;  // [T, H, D], model dtype
+  int64_t o_st, o_sh;
+  const uint8_t* kv;      // cache base, [NB, Hkv, B, 2D]
+  int64_t kv_elt;         // bytes per cache element
+  int64_t kv_sb, kv_sh, kv_so;  // strides (elements) of block, kv head, offset
+  const int32_t* bt;      // block table [R, maxb]
+  int64_t bt_s;
+  const int32_t* qsl;     // query_start_loc [R + 1]
+  const int32_t* sl;      // seq_lens [R]
+  int H, Hkv, G, D, Dp, B;
+  float scale, k_scale, v_scale;
+  KvKind kv_kind;
+  bool model_bf16;
+  int rows_cap;  // scratch rows (multiple of 16)
+};
+
+// Per-thread scratch, carved from one 64-byte aligned buffer.
+struct Scratch {
+  void* q;      // [rows_cap][Dp] compute dtype (bf16 or fp32), zero padded
+  void* kt;     // K tile transposed: bf16 pairs [Dp/2][KT] int32, or fp32 [Dp][KT]
+  void* v;      // V tile: bf16 pairs [KT/2][Dp] int32, or fp32 [KT][Dp]
+  void* krow;   // dequantised/converted K rows [KT][Dp] (fp8 caches, vec256)
+  void* vrow;   // same for V
+  float* S;     // scores [rows_cap][KT]
+  void* P;      // probabilities [rows_cap][KT], compute dtype
+  float* O;     // running output [rows_cap][Dp]
+  float* m;     // running max [rows_cap]
+  float* l;     // running sum [rows_cap]
+  float* alpha; // rescale of this tile [rows_cap]
+  int* pos;     // position of each query row [rows_cap]
+};
+
+inline Scratch& thread_scratch(const AttnParams& p) {
+  static thread_local std::vector<uint8_t> buf;
+  static thread_local Scratch s;
+  const size_t rows = p.rows_cap, Dp = p.Dp;
+  const size_t sizes[] = {
+      rows * Dp * 4,  // q
+      Dp * KT * 4,    // kt
+      KT * Dp * 4,    // v
+      KT * Dp * 4,    // krow
+      KT * Dp * 4,    // vrow
+      rows * KT * 4,  // S
+      rows * KT * 4,  // P
+      rows * Dp * 4,  // O
+      rows * 4, rows * 4, rows * 4, rows * 4,
+  };
+  size_t total = 64;
+  for (size_t z : sizes) total += (z + 63) / 64 * 64;
+  if (buf.size() < total) buf.assign(total, 0);
+  uint8_t* base = buf.data();
+  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+  void* ptrs[12];
+  for (int i = 0; i < 12; ++i) {
+    ptrs[i] = base;
+    base += (sizes[i] + 63) / 64 * 64;
+  }
+  s.q = ptrs[0];
+  s.kt = ptrs[1];
+  s.v = ptrs[2];
+  s.krow = ptrs[3];
+  s.vrow = ptrs[4];
+  s.S = static_cast<float*>(ptrs[5]);
+  s.P = ptrs[6];
+  s.O = static_cast<float*>(ptrs[7]);
+  s.m = static_cast<float*>(ptrs[8]);
+  s.l = static_cast<float*>(ptrs[9]);
+  s.alpha = static_cast<float*>(ptrs[10]);
+  s.pos = static_cast<int*>(ptrs[11]);
+  return s;
+}
+
+// One work unit: query tokens [t0, t1) of request `req` (token offsets inside the
+// request), kv head `kvh`, keys [kv_begin, kv_end).  part_off >= 0: write the
+// unnormalised (O, m, l) of its rows there instead of the output (a split).
+struct WorkUnit {
+  int req, kvh, t0, t1;
+  int kv_begin, kv_end;
+  int64_t part_off;
+  int64_t cost;
+};
+
+// Row pointer of key position `pos` (K at [0, D), V at [D, 2D)).
+inline const uint8_t* kv_row(const AttnParams& p, const int32_t* bt_row, int kvh, int pos) {
+  const int64_t blk = bt_row[pos / p.B];
+  const int64_t off = pos % p.B;
+  return p.kv + (blk * p.kv_sb + kvh * p.kv_sh + off * p.kv_so) * p.kv_elt;
+}
+
+// Per-ISA operations the tile loop calls (static members of an Ops struct):
+//   begin(p, s, R)                      once per unit (AMX: tile configuration)
+//   load_q(p, s, tok, ntok, kvh, R)     query rows into s.q (zero padded)
+//   prep_kv(p, s, bt_row, kvh, k0, n)   K/V tile of keys [k0, k0 + n), zero beyond n
+//   qk(p, s, R, n)                      s.S = Q K^T (unscaled)
+//   softmax(p, s, R, k0, n, masked)     online softmax: s.P, s.alpha, s.m, s.l
+//   pv(p, s, R, n)                      s.O = s.O * alpha + P V
+//   store(p, s, tok, ntok, kvh, R)      normalised output rows
+//   end()                               once per unit
+template <class Ops>
+void run_unit(const AttnParams& p, const WorkUnit& u, float* partials) {
+  Scratch& s = thread_scratch(p);
+  const int G = p.G, Dp = p.Dp;
+  const int ntok = u.t1 - u.t0;
+  const int R = ntok * G;
+  const int q_len = p.qsl[u.req + 1] - p.qsl[u.req];
+  const int ctx_off = p.sl[u.req] - q_len;
+  const int tok = p.qsl[u.req] + u.t0;
+  const int32_t* bt_row = p.bt + u.req * p.bt_s;
+  const int rows_pad = (R + 15) / 16 * 16;
+  for (int r = 0; r < R; ++r) {
+    s.pos[r] = ctx_off + u.t0 + r / G;
+    s.m[r] = -std::numeric_limits<float>::infinity();
+    s.l[r] = 0.f;
+  }
+  std::memset(s.O, 0, sizeof(float) * rows_pad * Dp);
+  const int min_pos = ctx_off + u.t0;
+  Ops::begin(p, s, R);
+  Ops::load_q(p, s, tok, ntok, u.kvh, R);
+  for (int k0 = u.kv_begin; k0 < u.kv_end; k0 += KT) {
+    const int n = std::min(KT, u.kv_end - k0);
+    Ops::prep_kv(p, s, bt_row, u.kvh, k0, n);
+    Ops::qk(p, s, R, n);
+    const bool masked = n < KT || k0 + KT - 1 > min_pos;
+    Ops::softmax(p, s, R, k0, n, masked);
+    Ops::pv(p, s, R, n);
+  }
+  Ops::end();
+  if (u.part_off < 0) {
+    Ops::store(p, s, tok, ntok, u.kvh, R);
+  } else {
+    // Split of a long context: unnormalised rows [O (D) | m | l], merged later.
+    float* dst = partials + u.part_off;
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(dst, s.O + static_cast<int64_t>(r) * Dp, sizeof(float) * p.D);
+      dst[p.D] = s.m[r];
+      dst[p.D + 1] = s.l[r];
+      dst += p.D + 2;
+    }
+  }
+}
+
+}  // namespace cpuserve_attn

@@ -1,0 +1,334 @@
+// AVX2 + FMA paged-attention tile operations (see attention_common.h for the loop).
+//
+// Everything is computed in fp32: bf16 queries/caches are widened (a 16-bit shift),
+// fp8 caches dequantised through F16C (x * scale, rounded to the model dtype as the
+// reference does).  K tiles are transposed to [D][32 keys] so a broadcast query
+// element times one row of the tile adds to 8 keys' scores per FMA; V rows stay in
+// natural order and a broadcast probability times a V row adds to 8 outputs.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "attention_common.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace cpuserve_attn {
+namespace v256 {
+
+static inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+static inline float hsum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// exp(x) for x <= 0 (softmax): Cephes polynomial; exactly 0 below -87.
+static inline __m256 exp_ps(__m256 x) {
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static inline void transpose8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    s[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
+  }
+}
+
+static inline __m256 bf16x8_to_ps(const uint16_t* src) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16));
+}
+
+// 8 fp8 values -> exact fp32 (see v512::fp8x16_to_ps).
+static inline __m256 fp8x8_to_ps(const uint8_t* src, KvKind kind) {
+  const __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  if (kind == KvKind::kE5M2) return _mm256_cvtph_ps(_mm_slli_epi16(u, 8));
+  const __m128i mag = _mm_and_si128(u, _mm_set1_epi16(0x7f));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8));
+  const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
+  return _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+}
+
+// fp32 -> bf16, round to nearest even (NaN stays NaN), 8 values.
+static inline __m128i ps_to_bf16x8(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// One row of D values of the cache (or query) in `kind` / model dtype -> fp32 row of Dp.
+// `round_bf16`: fp8 values scaled then rounded to bf16, as the reference does for bf16 models.
+static inline void row_to_f32(const uint8_t* src, bool src_bf16, KvKind kind, float scale, bool round_bf16, int D, int Dp,
+                              float* dst) {
+  int d = 0;
+  if (kind != KvKind::kSame) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (; d < D; d += 8) {
+      __m256 f = _mm256_mul_ps(fp8x8_to_ps(src + d, kind), sc);
+      if (round_bf16) f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(ps_to_bf16x8(f)), 16));
+      _mm256_store_ps(dst + d, f);
+    }
+  } else if (src_bf16) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    for (; d < D; d += 8) _mm256_store_ps(dst + d, bf16x8_to_ps(s + d));
+  } else {
+    const float* s = reinterpret_cast<const float*>(src);
+    for (; d < D; d += 8) _mm256_store_ps(dst + d, _mm256_loadu_ps(s + d));
+  }
+  for (; d < Dp; d += 8) _mm256_store_ps(dst + d, _mm256_setzero_ps());
+}
+
+template <int RB>
+static inline void qk_block(const float* q, int qs, const float* kt, int D, float* S) {
+  __m256 acc[RB][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_load_ps(kt + d * KT);
+    const __m256 k1 = _mm256_load_ps(kt + d * KT + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m256 qb = _mm256_broadcast_ss(q + r * qs + d);
+      acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    _mm256_store_ps(S + r * KT, acc[r][0]);
+    _mm256_store_ps(S + r * KT + 8, acc[r][1]);
+  }
+}
+
+template <int RB>
+static inline void pv_block(const float* P, const float* v, int Dp, int nkeys, float* O, const float* alpha) {
+  __m256 acc[RB][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    const __m256 a = _mm256_set1_ps(alpha[r]);
+    acc[r][0] = _mm256_mul_ps(_mm256_load_ps(O + r * Dp), a);
+    acc[r][1] = _mm256_mul_ps(_mm256_load_ps(O + r * Dp + 8), a);
+  }
+  for (int k = 0; k < nkeys; ++k) {
+    const __m256 v0 = _mm256_load_ps(v + k * Dp);
+    const __m256 v1 = _mm256_load_ps(v + k * Dp + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m256 pb = _mm256_broadcast_ss(P + r * KT + k);
+      acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    _mm256_store_ps(O + r * Dp, acc[r][0]);
+    _mm256_store_ps(O + r * Dp + 8, acc[r][1]);
+  }
+}
+
+struct Ops {
+  static void begin(const AttnParams&, Scratch&, int) {}
+  static void end() {}
+
+  __attribute__((noinline)) static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    (void)ntok;
+    float* q = static_cast<float*>(s.q);
+    const int64_t esz = p.model_bf16 ? 2 : 4;
+    const uint8_t* src = static_cast<const uint8_t*>(p.q);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* row = src + ((tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh) * esz;
+      row_to_f32(row, p.model_bf16, KvKind::kSame, 1.f, false, p.D, p.Dp, q + static_cast<int64_t>(r) * p.Dp);
+    }
+  }
+
+  __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
+    const int D = p.D, Dp = p.Dp;
+    const bool cache_bf16 = p.kv_kind == KvKind::kSame && p.model_bf16;
+    const bool need_k_copy = !(p.kv_kind == KvKind::kSame && !p.model_bf16);
+    const float* krows[KT];
+    float* v = static_cast<float*>(s.v);
+    float* krow = static_cast<float*>(s.krow);
+    for (int i = 0; i < KT; ++i) {
+      float* vd = v + i * Dp;
+      if (i >= n) {
+        krows[i] = nullptr;
+        for (int d = 0; d < Dp; d += 8) _mm256_store_ps(vd + d, _mm256_setzero_ps());
+        continue;
+      }
+      const uint8_t* base = kv_row(p, bt_row, kvh, k0 + i);
+      const uint8_t* vbase = base + D * p.kv_elt;
+      if (need_k_copy) {
+        row_to_f32(base, cache_bf16, p.kv_kind, p.k_scale, p.model_bf16, D, Dp, krow + i * Dp);
+        krows[i] = krow + i * Dp;
+      } else {
+        krows[i] = reinterpret_cast<const float*>(base);
+      }
+      row_to_f32(vbase, cache_bf16, p.kv_kind, p.v_scale, p.model_bf16, D, Dp, vd);
+    }
+    float* kt = static_cast<float*>(s.kt);
+    for (int h = 0; h < KT / 8; ++h) {
+      if (h * 8 >= n) {
+        for (int d = 0; d < D; ++d) _mm256_store_ps(kt + d * KT + h * 8, _mm256_setzero_ps());
+        continue;
+      }
+      for (int c = 0; c < D / 8; ++c) {
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i) {
+          const float* row = krows[h * 8 + i];
+          r[i] = row ? _mm256_loadu_ps(row + c * 8) : _mm256_setzero_ps();
+        }
+        transpose8(r);
+        for (int j = 0; j < 8; ++j) _mm256_store_ps(kt + (c * 8 + j) * KT + h * 8, r[j]);
+      }
+    }
+  }
+
+  __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
+    const float* q = static_cast<const float*>(s.q);
+    const float* kt = static_cast<const float*>(s.kt);
+    const int qs = p.Dp, D = p.D;
+    for (int h = 0; h < KT / 16; ++h) {
+      if (h * 16 >= n) {  // no visible keys in this half: scores are masked anyway
+        for (int r = 0; r < R; ++r) {
+          _mm256_store_ps(s.S + r * KT + h * 16, _mm256_setzero_ps());
+          _mm256_store_ps(s.S + r * KT + h * 16 + 8, _mm256_setzero_ps());
+        }
+        continue;
+      }
+      int r0 = 0;
+      for (; r0 + 6 <= R; r0 += 6) qk_block<6>(q + r0 * qs, qs, kt + h * 16, D, s.S + r0 * KT + h * 16);
+      float* S = s.S + r0 * KT + h * 16;
+      const float* qr = q + r0 * qs;
+      switch (R - r0) {
+        case 1: qk_block<1>(qr, qs, kt + h * 16, D, S); break;
+        case 2: qk_block<2>(qr, qs, kt + h * 16, D, S); break;
+        case 3: qk_block<3>(qr, qs, kt + h * 16, D, S); break;
+        case 4: qk_block<4>(qr, qs, kt + h * 16, D, S); break;
+        case 5: qk_block<5>(qr, qs, kt + h * 16, D, S); break;
+        default: break;
+      }
+    }
+  }
+
+  __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
+    const __m256 scale = _mm256_set1_ps(p.scale);
+    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    float* P = static_cast<float*>(s.P);
+    for (int r = 0; r < R; ++r) {
+      __m256 x[4];
+      for (int c = 0; c < 4; ++c) x[c] = _mm256_mul_ps(_mm256_load_ps(s.S + r * KT + 8 * c), scale);
+      if (masked) {
+        const int lim = std::min(n, s.pos[r] - k0 + 1);
+        for (int c = 0; c < 4; ++c) {
+          const __m256i vis = _mm256_cmpgt_epi32(_mm256_set1_epi32(lim - 8 * c), lane);
+          x[c] = _mm256_blendv_ps(ninf, x[c], _mm256_castsi256_ps(vis));
+        }
+      }
+      const float mx = hmax(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
+      const float m_old = s.m[r];
+      const float m_new = std::max(m_old, mx);
+      if (m_new == -std::numeric_limits<float>::infinity()) {
+        s.alpha[r] = 1.f;
+        for (int c = 0; c < 4; ++c) _mm256_store_ps(P + r * KT + 8 * c, _mm256_setzero_ps());
+        continue;
+      }
+      const float alpha = std::exp(m_old - m_new);
+      const __m256 mn = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        const __m256 pc = exp_ps(_mm256_sub_ps(x[c], mn));
+        sum = _mm256_add_ps(sum, pc);
+        _mm256_store_ps(P + r * KT + 8 * c, pc);
+      }
+      s.l[r] = s.l[r] * alpha + hsum(sum);
+      s.m[r] = m_new;
+      s.alpha[r] = alpha;
+    }
+  }
+
+  __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
+    const int Dp = p.Dp, D = p.D;
+    const float* P = static_cast<const float*>(s.P);
+    const float* v = static_cast<const float*>(s.v);
+    for (int r0 = 0; r0 < R; r0 += 6) {
+      const int rb = std::min(6, R - r0);
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        const float* Pr = P + r0 * KT;
+        float* Or = s.O + static_cast<int64_t>(r0) * Dp + d0;
+        const float* al = s.alpha + r0;
+        switch (rb) {
+          case 1: pv_block<1>(Pr, v + d0, Dp, n, Or, al); break;
+          case 2: pv_block<2>(Pr, v + d0, Dp, n, Or, al); break;
+          case 3: pv_block<3>(Pr, v + d0, Dp, n, Or, al); break;
+          case 4: pv_block<4>(Pr, v + d0, Dp, n, Or, al); break;
+          case 5: pv_block<5>(Pr, v + d0, Dp, n, Or, al); break;
+          default: pv_block<6>(Pr, v + d0, Dp, n, Or, al); break;
+        }
+      }
+    }
+  }
+
+  __attribute__((noinline)) static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    (void)ntok;
+    for (int r = 0; r < R; ++r) {
+      const int64_t off = (tok + r / p.G) * p.o_st + (kvh * p.G + r % p.G) * p.o_sh;
+      const __m256 inv = _mm256_set1_ps(1.0f / s.l[r]);
+      const float* o = s.O + static_cast<int64_t>(r) * p.Dp;
+      if (p.model_bf16) {
+        uint16_t* dst = static_cast<uint16_t*>(p.out) + off;
+        for (int d = 0; d < p.D; d += 8)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), ps_to_bf16x8(_mm256_mul_ps(_mm256_load_ps(o + d), inv)));
+      } else {
+        float* dst = static_cast<float*>(p.out) + off;
+        for (int d = 0; d < p.D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(o + d), inv));
+      }
+    }
+  }
+};
+
+}  // namespace v256
+}  // namespace cpuserve_attn
+
+#pragma GCC pop_options

@@ -1,0 +1,523 @@
+// AVX-512 paged-attention tile operations (see attention_common.h for the loop).
+//
+// bf16 model dtype (Bf16Ops): every dot product is _mm512_dpbf16_ps with fp32
+// accumulation.  The K tile is stored transposed as bf16 pairs, kt[p][n] =
+// (K[n][2p], K[n][2p+1]), so one dpbf16 of a broadcast query pair against kt[p]
+// adds that pair's contribution to 16 keys' scores.  The V tile is stored with key
+// pairs interleaved, v[j][d] = (V[2j][d], V[2j+1][d]), so one dpbf16 of a broadcast
+// probability pair adds two keys to 16 outputs.  These are exactly AMX's B-tile
+// (VNNI) layouts, which is why the AMX path reuses load_q/prep_kv/softmax/store.
+// fp32 model dtype (F32Ops): the same tiles in fp32 with FMAs (V rows untouched).
+// fp8 caches are dequantised on load (x * scale, rounded to the model dtype as the
+// reference does) into per-thread rows, then take the same path.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "attention_common.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+
+namespace cpuserve_attn {
+namespace v512 {
+
+static inline __mmask16 mask16(int n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
+}
+static inline __mmask32 mask32(int n) {
+  return n >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : n <= 0 ? static_cast<__mmask32>(0) : static_cast<__mmask32>((1u << n) - 1);
+}
+
+// exp(x) for x <= 0 (softmax): Cephes polynomial, |rel err| ~ 2e-7; exactly 0 below -87.
+static inline __m512 exp_ps(__m512 x) {
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_scalef_ps(y, n));
+}
+
+// 16 x 16 transpose of 32-bit elements: r[i][j] -> r[j][i].
+static inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+    const __m512i b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i e = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(a, b, 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(a, b, 0xdd);
+    r[c + 4] = _mm512_shuffle_i32x4(e, f, 0x88);
+    r[c + 12] = _mm512_shuffle_i32x4(e, f, 0xdd);
+  }
+}
+
+// 16 fp8 values (n valid, rest 0) -> exact fp32.  e5m2 is the top byte of an fp16;
+// e4m3fn's 7 magnitude bits shifted into an fp16 are the value * 2^-8 (denormals
+// included), and 0x7f / 0xff are NaN (e4m3fn has no infinity).
+static inline __m512 fp8x16_to_ps(const uint8_t* src, int n, KvKind kind) {
+  const __m256i u = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask16(n), src));
+  if (kind == KvKind::kE5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(u, 8));
+  const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi16(0x7f));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8));
+  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// fp8 row (D values) -> bf16(x * scale), Dp values (zero padded).
+static inline void dequant_row_bf16(const uint8_t* src, int D, int Dp, KvKind kind, float scale, uint16_t* dst) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int d0 = 0; d0 < Dp; d0 += 32) {
+    const __m512 lo = _mm512_mul_ps(fp8x16_to_ps(src + d0, D - d0, kind), sc);
+    const __m512 hi = _mm512_mul_ps(fp8x16_to_ps(src + d0 + 16, D - d0 - 16, kind), sc);
+    _mm512_store_si512(dst + d0, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// fp8 row -> fp32(x * scale), Dp values (zero padded).
+static inline void dequant_row_f32(const uint8_t* src, int D, int Dp, KvKind kind, float scale, float* dst) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(dst + d0, _mm512_mul_ps(fp8x16_to_ps(src + d0, D - d0, kind), sc));
+}
+
+// Online-softmax update of one tile: scores -> probabilities (bf16 pairs or fp32).
+template <bool BF16>
+static inline void softmax_tile(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < R; ++r) {
+    __m512 x0 = _mm512_mul_ps(_mm512_load_ps(s.S + r * KT), scale);
+    __m512 x1 = _mm512_mul_ps(_mm512_load_ps(s.S + r * KT + 16), scale);
+    if (masked) {
+      const int lim = std::min(n, s.pos[r] - k0 + 1);  // keys [0, lim) are visible to this row
+      x0 = _mm512_mask_blend_ps(mask16(lim), ninf, x0);
+      x1 = _mm512_mask_blend_ps(mask16(lim - 16), ninf, x1);
+    }
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+    const float m_old = s.m[r];
+    const float m_new = std::max(m_old, mx);
+    if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible yet
+      s.alpha[r] = 1.f;
+      if (BF16) {
+        _mm512_store_si512(static_cast<uint16_t*>(s.P) + r * KT, _mm512_setzero_si512());
+      } else {
+        _mm512_store_ps(static_cast<float*>(s.P) + r * KT, _mm512_setzero_ps());
+        _mm512_store_ps(static_cast<float*>(s.P) + r * KT + 16, _mm512_setzero_ps());
+      }
+      continue;
+    }
+    const float alpha = std::exp(m_old - m_new);
+    const __m512 mn = _mm512_set1_ps(m_new);
+    const __m512 p0 = exp_ps(_mm512_sub_ps(x0, mn));
+    const __m512 p1 = exp_ps(_mm512_sub_ps(x1, mn));
+    s.l[r] = s.l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    s.m[r] = m_new;
+    s.alpha[r] = alpha;
+    if (BF16) {
+      _mm512_store_si512(static_cast<uint16_t*>(s.P) + r * KT, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    } else {
+      _mm512_store_ps(static_cast<float*>(s.P) + r * KT, p0);
+      _mm512_store_ps(static_cast<float*>(s.P) + r * KT + 16, p1);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- bf16 model dtype
+
+template <int RB>
+static inline void qk_block_bf16(const int32_t* q, int qs, const int32_t* kt, int npairs, float* S) {
+  __m512 acc[RB][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int pp = 0; pp < npairs; ++pp) {
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + pp * KT);
+    const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + pp * KT + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(q[r * qs + pp]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) {
+    _mm512_store_ps(S + r * KT, acc[r][0]);
+    _mm512_store_ps(S + r * KT + 16, acc[r][1]);
+  }
+}
+
+template <int RB, int NV>
+static inline void pv_block_bf16(const int32_t* P, const int32_t* v, int Dp, int npairs, float* O, const float* alpha) {
+  __m512 acc[RB][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(O + r * Dp + 16 * c), a);
+  }
+  for (int j = 0; j < npairs; ++j) {
+    __m512bh vv[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_load_si512(v + j * Dp + 16 * c);
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(P[r * (KT / 2) + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + 16 * c, acc[r][c]);
+  }
+}
+
+template <int NV>
+static inline void pv_rows_bf16(const int32_t* P, const int32_t* v, int Dp, int npairs, float* O, const float* alpha, int rb) {
+  switch (rb) {
+    case 1: return pv_block_bf16<1, NV>(P, v, Dp, npairs, O, alpha);
+    case 2: return pv_block_bf16<2, NV>(P, v, Dp, npairs, O, alpha);
+    case 3: return pv_block_bf16<3, NV>(P, v, Dp, npairs, O, alpha);
+    case 4: return pv_block_bf16<4, NV>(P, v, Dp, npairs, O, alpha);
+    case 5: return pv_block_bf16<5, NV>(P, v, Dp, npairs, O, alpha);
+    default: return pv_block_bf16<6, NV>(P, v, Dp, npairs, O, alpha);
+  }
+}
+
+struct Bf16Ops {
+  static void begin(const AttnParams&, Scratch&, int) {}
+  static void end() {}
+
+  __attribute__((noinline)) static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    (void)ntok;
+    uint16_t* q = static_cast<uint16_t*>(s.q);
+    const uint16_t* src = static_cast<const uint16_t*>(p.q);
+    const int rows = (R + 15) / 16 * 16;
+    for (int r = 0; r < rows; ++r) {
+      uint16_t* dst = q + static_cast<int64_t>(r) * p.Dp;
+      if (r >= R) {
+        for (int d0 = 0; d0 < p.Dp; d0 += 32) _mm512_store_si512(dst + d0, _mm512_setzero_si512());
+        continue;
+      }
+      const uint16_t* row = src + (tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh;
+      for (int d0 = 0; d0 < p.Dp; d0 += 32) _mm512_store_si512(dst + d0, _mm512_maskz_loadu_epi16(mask32(p.D - d0), row + d0));
+    }
+  }
+
+  __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
+    const int D = p.D, Dp = p.Dp;
+    const uint16_t* krows[KT];
+    const uint16_t* vrows[KT];
+    for (int i = 0; i < KT; ++i) {
+      if (i >= n) {
+        krows[i] = vrows[i] = nullptr;
+        continue;
+      }
+      const uint8_t* base = kv_row(p, bt_row, kvh, k0 + i);
+      if (p.kv_kind == KvKind::kSame) {
+        krows[i] = reinterpret_cast<const uint16_t*>(base);
+        vrows[i] = krows[i] + D;
+      } else {
+        uint16_t* kd = static_cast<uint16_t*>(s.krow) + i * Dp;
+        uint16_t* vd = static_cast<uint16_t*>(s.vrow) + i * Dp;
+        dequant_row_bf16(base, D, Dp, p.kv_kind, p.k_scale, kd);
+        dequant_row_bf16(base + D, D, Dp, p.kv_kind, p.v_scale, vd);
+        krows[i] = kd;
+        vrows[i] = vd;
+      }
+    }
+    int32_t* kt = static_cast<int32_t*>(s.kt);
+    for (int h = 0; h < KT / 16; ++h) {
+      if (h * 16 >= n) {
+        for (int pp = 0; pp < Dp / 2; ++pp) _mm512_store_si512(kt + pp * KT + h * 16, _mm512_setzero_si512());
+        continue;
+      }
+      for (int c = 0; c < Dp / 32; ++c) {
+        const __mmask32 mk = mask32(D - c * 32);
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const uint16_t* row = krows[h * 16 + i];
+          r[i] = row ? _mm512_maskz_loadu_epi16(mk, row + c * 32) : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int j = 0; j < 16; ++j) _mm512_store_si512(kt + (c * 16 + j) * KT + h * 16, r[j]);
+      }
+    }
+    int32_t* v = static_cast<int32_t*>(s.v);
+    const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                            36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+    for (int j = 0; j < KT / 2; ++j) {
+      const uint16_t* a = vrows[2 * j];
+      const uint16_t* b = vrows[2 * j + 1];
+      int32_t* dst = v + j * Dp;
+      for (int d0 = 0; d0 < Dp; d0 += 32) {
+        const __mmask32 mk = mask32(D - d0);
+        const __m512i va = a ? _mm512_maskz_loadu_epi16(mk, a + d0) : _mm512_setzero_si512();
+        const __m512i vb = b ? _mm512_maskz_loadu_epi16(mk, b + d0) : _mm512_setzero_si512();
+        _mm512_store_si512(dst + d0, _mm512_permutex2var_epi16(va, idx_lo, vb));
+        _mm512_store_si512(dst + d0 + 16, _mm512_permutex2var_epi16(va, idx_hi, vb));
+      }
+    }
+  }
+
+  __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
+    (void)n;
+    const int32_t* q = static_cast<const int32_t*>(s.q);
+    const int32_t* kt = static_cast<const int32_t*>(s.kt);
+    const int qs = p.Dp / 2, npairs = p.D / 2;
+    int r0 = 0;
+    for (; r0 + 8 <= R; r0 += 8) qk_block_bf16<8>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT);
+    switch (R - r0) {
+      case 1: qk_block_bf16<1>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
+      case 2: qk_block_bf16<2>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
+      case 3: qk_block_bf16<3>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
+      case 4: qk_block_bf16<4>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
+      case 5: qk_block_bf16<5>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
+      case 6: qk_block_bf16<6>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
+      case 7: qk_block_bf16<7>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
+      default: break;
+    }
+  }
+
+  __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
+    softmax_tile<true>(p, s, R, k0, n, masked);
+  }
+
+  __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
+    const int Dp = p.Dp, D = p.D;
+    const int npairs = (n + 1) / 2;
+    const int32_t* P = static_cast<const int32_t*>(s.P);
+    const int32_t* v = static_cast<const int32_t*>(s.v);
+    for (int r0 = 0; r0 < R; r0 += 6) {
+      const int rb = std::min(6, R - r0);
+      const int32_t* Pr = P + r0 * (KT / 2);
+      float* Or = s.O + static_cast<int64_t>(r0) * Dp;
+      const float* al = s.alpha + r0;
+      int d0 = 0;
+      for (; d0 + 64 <= D; d0 += 64) pv_rows_bf16<4>(Pr, v + d0, Dp, npairs, Or + d0, al, rb);
+      if (d0 + 32 <= D) {
+        pv_rows_bf16<2>(Pr, v + d0, Dp, npairs, Or + d0, al, rb);
+        d0 += 32;
+      }
+      if (d0 < D) pv_rows_bf16<1>(Pr, v + d0, Dp, npairs, Or + d0, al, rb);
+    }
+  }
+
+  __attribute__((noinline)) static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    (void)ntok;
+    uint16_t* out = static_cast<uint16_t*>(p.out);
+    for (int r = 0; r < R; ++r) {
+      uint16_t* dst = out + (tok + r / p.G) * p.o_st + (kvh * p.G + r % p.G) * p.o_sh;
+      const __m512 inv = _mm512_set1_ps(1.0f / s.l[r]);
+      const float* o = s.O + static_cast<int64_t>(r) * p.Dp;
+      for (int d0 = 0; d0 < p.D; d0 += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d0), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + d0), inv)));
+    }
+  }
+};
+
+// ---------------------------------------------------------------- fp32 model dtype
+
+template <int RB>
+static inline void qk_block_f32(const float* q, int qs, const float* kt, int D, float* S) {
+  __m512 acc[RB][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_load_ps(kt + d * KT);
+    const __m512 k1 = _mm512_load_ps(kt + d * KT + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      const __m512 qb = _mm512_set1_ps(q[r * qs + d]);
+      acc[r][0] = _mm512_fmadd_ps(qb, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qb, k1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) {
+    _mm512_store_ps(S + r * KT, acc[r][0]);
+    _mm512_store_ps(S + r * KT + 16, acc[r][1]);
+  }
+}
+
+template <int RB, int NV>
+static inline void pv_block_f32(const float* P, const float* v, int Dp, int nkeys, float* O, const float* alpha) {
+  __m512 acc[RB][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(O + r * Dp + 16 * c), a);
+  }
+  for (int k = 0; k < nkeys; ++k) {
+    __m512 vv[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) vv[c] = _mm512_load_ps(v + k * Dp + 16 * c);
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      const __m512 pb = _mm512_set1_ps(P[r * KT + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + 16 * c, acc[r][c]);
+  }
+}
+
+template <int NV>
+static inline void pv_rows_f32(const float* P, const float* v, int Dp, int nkeys, float* O, const float* alpha, int rb) {
+  switch (rb) {
+    case 1: return pv_block_f32<1, NV>(P, v, Dp, nkeys, O, alpha);
+    case 2: return pv_block_f32<2, NV>(P, v, Dp, nkeys, O, alpha);
+    case 3: return pv_block_f32<3, NV>(P, v, Dp, nkeys, O, alpha);
+    case 4: return pv_block_f32<4, NV>(P, v, Dp, nkeys, O, alpha);
+    case 5: return pv_block_f32<5, NV>(P, v, Dp, nkeys, O, alpha);
+    default: return pv_block_f32<6, NV>(P, v, Dp, nkeys, O, alpha);
+  }
+}
+
+struct F32Ops {
+  static void begin(const AttnParams&, Scratch&, int) {}
+  static void end() {}
+
+  __attribute__((noinline)) static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    (void)ntok;
+    float* q = static_cast<float*>(s.q);
+    const float* src = static_cast<const float*>(p.q);
+    for (int r = 0; r < R; ++r) {
+      float* dst = q + static_cast<int64_t>(r) * p.Dp;
+      const float* row = src + (tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh;
+      for (int d0 = 0; d0 < p.Dp; d0 += 16) _mm512_store_ps(dst + d0, _mm512_maskz_loadu_ps(mask16(p.D - d0), row + d0));
+    }
+  }
+
+  __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
+    const int D = p.D, Dp = p.Dp;
+    const float* krows[KT];
+    float* v = static_cast<float*>(s.v);
+    for (int i = 0; i < KT; ++i) {
+      float* vd = v + i * Dp;
+      if (i >= n) {
+        krows[i] = nullptr;
+        for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_setzero_ps());
+        continue;
+      }
+      const uint8_t* base = kv_row(p, bt_row, kvh, k0 + i);
+      if (p.kv_kind == KvKind::kSame) {
+        const float* row = reinterpret_cast<const float*>(base);
+        krows[i] = row;
+        for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_maskz_loadu_ps(mask16(D - d0), row + D + d0));
+      } else {
+        float* kd = static_cast<float*>(s.krow) + i * Dp;
+        dequant_row_f32(base, D, Dp, p.kv_kind, p.k_scale, kd);
+        dequant_row_f32(base + D, D, Dp, p.kv_kind, p.v_scale, vd);
+        krows[i] = kd;
+      }
+    }
+    float* kt = static_cast<float*>(s.kt);
+    for (int h = 0; h < KT / 16; ++h) {
+      if (h * 16 >= n) {
+        for (int d = 0; d < D; ++d) _mm512_store_ps(kt + d * KT + h * 16, _mm512_setzero_ps());
+        continue;
+      }
+      for (int c = 0; c < D / 16; ++c) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const float* row = krows[h * 16 + i];
+          r[i] = row ? _mm512_castps_si512(_mm512_loadu_ps(row + c * 16)) : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int j = 0; j < 16; ++j) _mm512_store_si512(kt + (c * 16 + j) * KT + h * 16, r[j]);
+      }
+    }
+  }
+
+  __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
+    (void)n;
+    const float* q = static_cast<const float*>(s.q);
+    const float* kt = static_cast<const float*>(s.kt);
+    const int qs = p.Dp, D = p.D;
+    int r0 = 0;
+    for (; r0 + 8 <= R; r0 += 8) qk_block_f32<8>(q + r0 * qs, qs, kt, D, s.S + r0 * KT);
+    switch (R - r0) {
+      case 1: qk_block_f32<1>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
+      case 2: qk_block_f32<2>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
+      case 3: qk_block_f32<3>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
+      case 4: qk_block_f32<4>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
+      case 5: qk_block_f32<5>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
+      case 6: qk_block_f32<6>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
+      case 7: qk_block_f32<7>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
+      default: break;
+    }
+  }
+
+  __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
+    softmax_tile<false>(p, s, R, k0, n, masked);
+  }
+
+  __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
+    const int Dp = p.Dp, D = p.D;
+    const float* P = static_cast<const float*>(s.P);
+    const float* v = static_cast<const float*>(s.v);
+    for (int r0 = 0; r0 < R; r0 += 6) {
+      const int rb = std::min(6, R - r0);
+      const float* Pr = P + r0 * KT;
+      float* Or = s.O + static_cast<int64_t>(r0) * Dp;
+      const float* al = s.alpha + r0;
+      int d0 = 0;
+      for (; d0 + 64 <= D; d0 += 64) pv_rows_f32<4>(Pr, v + d0, Dp, n, Or + d0, al, rb);
+      if (d0 + 32 <= D) {
+        pv_rows_f32<2>(Pr, v + d0, Dp, n, Or + d0, al, rb);
+        d0 += 32;
+      }
+      if (d0 < D) pv_rows_f32<1>(Pr, v + d0, Dp, n, Or + d0, al, rb);
+    }
+  }
+
+  __attribute__((noinline)) static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    (void)ntok;
+    float* out = static_cast<float*>(p.out);
+    for (int r = 0; r < R; ++r) {
+      float* dst = out + (tok + r / p.G) * p.o_st + (kvh * p.G + r % p.G) * p.o_sh;
+      const __m512 inv = _mm512_set1_ps(1.0f / s.l[r]);
+      const float* o = s.O + static_cast<int64_t>(r) * p.Dp;
+      for (int d0 = 0; d0 < p.D; d0 += 16) _mm512_storeu_ps(dst + d0, _mm512_mul_ps(_mm512_load_ps(o + d0), inv));
+    }
+  }
+};
+
+}  // namespace v512
+}  // namespace cpuserve_attn
+
+#pragma GCC pop_options

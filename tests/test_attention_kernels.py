@@ -1,0 +1,288 @@
+"""Native attention kernels (engine/csrc/attention*.{cpp,h}) against the torch reference.
+
+Every native ISA this CPU runs is checked against ``ref`` on random mixed batches:
+decodes, a fresh prompt, a prompt chunk after cached context and long contexts over
+many blocks, for bf16/fp32 models, bf16/fp32/fp8 caches, GQA and block sizes.  The
+AMX path runs for real only on AMX hosts (Sapphire Rapids+); elsewhere ``amx_emu``
+runs the same tile code on a software model of the tiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.backends.cpu import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa
+from engine.attention.kernels import native, ops, ref
+
+NATIVE = native.available_isas()
+COMPILED = set(native._ext().attention_isas()) if NATIVE else set()
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+pytestmark = pytest.mark.skipif(not NATIVE, reason="native extension unavailable (no compiler/ninja, or CPUSERVE_NATIVE=0)")
+
+
+def _need(isa: str) -> None:
+    if isa == "amx_emu":
+        if isa not in COMPILED:
+            pytest.skip("amx_emu needs AVX-512 BF16")
+        return
+    if isa not in NATIVE:
+        why = "AMX-BF16 (Sapphire Rapids or later) with Linux AMX permission" if isa == "amx" else isa.upper()
+        pytest.skip(f"{isa} kernels need {why}; this CPU lacks it")
+
+
+@pytest.fixture
+def threads():
+    saved = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(saved)
+
+
+# (query_len, seq_len): decodes first, then a fresh prompt, a chunk after cached
+# context, and a longer chunk over a context spanning many blocks.
+MIXED = [(1, 1), (1, 17), (1, 300), (1, 1500), (20, 20), (17, 100), (70, 700)]
+
+
+def make_case(q_seq, H, Hkv, D, B, dtype, cache_dtype, seed=0, q_scale=2.0, strided_query=True):
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [-(-s // B) for _, s in q_seq]
+    num_blocks = sum(nblocks) + 3
+    kv = torch.randn(num_blocks, Hkv, B, 2 * D, generator=g).to(cache_dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    bt = torch.full((len(q_seq), max(nblocks) + 2), 0, dtype=torch.int32)
+    k = 0
+    for i, nb in enumerate(nblocks):
+        bt[i, :nb] = perm[k : k + nb]
+        k += nb
+    qsl = [0]
+    for q, _ in q_seq:
+        qsl.append(qsl[-1] + q)
+    T = qsl[-1]
+    if strided_query:  # a view of a fused qkv projection, as the model passes it
+        qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=g) * q_scale).to(dtype)
+        query = qkv[:, : H * D].view(T, H, D)
+    else:
+        query = (torch.randn(T, H, D, generator=g) * q_scale).to(dtype)
+    meta = CPUAttentionMetadata(
+        num_actual_tokens=T,
+        num_decodes=sum(1 for q, _ in q_seq if q == 1),
+        num_decode_tokens=sum(1 for q, _ in q_seq if q == 1),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor([s for _, s in q_seq], dtype=torch.int32),
+        block_table=bt,
+        slot_mapping=torch.zeros(T, dtype=torch.int64),
+        max_query_len=max(q for q, _ in q_seq),
+        max_seq_len=max(s for _, s in q_seq),
+        query_start_loc_list=qsl,
+        seq_lens_list=[s for _, s in q_seq],
+    )
+    return query, kv, meta
+
+
+def run_both(isa, query, kv, meta, D, kv_cache_dtype, k_scale, v_scale):
+    scale = D**-0.5
+    expected = torch.empty(query.shape, dtype=query.dtype)
+    ops.paged_attention("ref", query, kv, meta, scale, kv_cache_dtype, k_scale, v_scale, expected)
+    got = torch.full(query.shape, float("nan"), dtype=query.dtype)
+    if isa == "amx_emu":
+        native.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, k_scale, v_scale, got)
+    else:
+        ops.paged_attention(isa, query, kv, meta, scale, kv_cache_dtype, k_scale, v_scale, got)
+    return got, expected
+
+
+def assert_close(got, expected):
+    assert not torch.isnan(got).any(), "rows left unwritten (NaN)"
+    if got.dtype == torch.bfloat16:
+        # bf16 probabilities in the P V dot products: a couple of bf16 ulps on outputs of size ~1.
+        torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=2e-2)
+        assert (got.float() - expected.float()).abs().mean().item() < 2e-3
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("gqa", [1, 3])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
+def test_paged_attention_matches_ref(isa, dtype, kv_cache_dtype, head_size, gqa, block_size):
+    _need(isa)
+    if not native.supports(isa, dtype, block_size, head_size, kv_cache_dtype):
+        pytest.skip(f"{isa} does not serve {dtype} models")
+    Hkv = 2
+    cache_dtype = FP8.get(kv_cache_dtype, dtype)
+    k_scale, v_scale = (0.7, 1.3) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    query, kv, meta = make_case(MIXED, Hkv * gqa, Hkv, head_size, block_size, dtype, cache_dtype, seed=head_size + gqa)
+    got, expected = run_both(isa, query, kv, meta, head_size, kv_cache_dtype, k_scale, v_scale)
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("head_size", [80, 96])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256", "amx_emu"])
+def test_other_head_sizes(isa, dtype, head_size):
+    _need(isa)
+    if isa.startswith("amx") and dtype != torch.bfloat16:
+        pytest.skip("amx serves bf16 models only")
+    query, kv, meta = make_case(MIXED[:6], 8, 2, head_size, 16, dtype, dtype, seed=head_size)
+    got, expected = run_both(isa, query, kv, meta, head_size, "auto", 1.0, 1.0)
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("gqa", [1, 3, 8, 20])
+def test_amx_tile_code_emulated(gqa, kv_cache_dtype):
+    """The AMX tile kernels' bookkeeping (shapes, strides, VNNI layouts, partial row tiles)
+    on emulated tiles: decode groups of 1-20 rows, prefill tiles of up to 64 rows."""
+    _need("amx_emu")
+    cache_dtype = FP8.get(kv_cache_dtype, torch.bfloat16)
+    k_scale, v_scale = (0.7, 1.3) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    query, kv, meta = make_case(MIXED[:6], 2 * gqa, 2, 64, 16, torch.bfloat16, cache_dtype, seed=gqa)
+    got, expected = run_both("amx_emu", query, kv, meta, 64, kv_cache_dtype, k_scale, v_scale)
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 5])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
+def test_thread_counts_and_context_splits(isa, num_threads, threads):
+    """Few long requests are split across threads (flash decoding) and merged; the
+    result must not depend on the thread count."""
+    _need(isa)
+    threads(num_threads)
+    for q_seq in ([(1, 2000)], [(1, 129), (1, 1000)], [(3, 900)], [(1, 7), (40, 40)]):
+        query, kv, meta = make_case(q_seq, 9, 3, 64, 16, torch.bfloat16, torch.bfloat16, seed=len(q_seq))
+        got, expected = run_both(isa, query, kv, meta, 64, "auto", 1.0, 1.0)
+        assert_close(got, expected)
+
+
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
+def test_extreme_scores_stay_finite(isa):
+    """Large logits exercise the online-softmax rescaling (running max moving far)."""
+    _need(isa)
+    query, kv, meta = make_case(MIXED, 6, 2, 64, 16, torch.bfloat16, torch.bfloat16, seed=5, q_scale=30.0)
+    got, expected = run_both(isa, query, kv, meta, 64, "auto", 1.0, 1.0)
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_reshape_and_cache_matches_ref(dtype, kv_cache_dtype):
+    """Bit-exact with the reference (fp8 rounding and saturation included); padding slots
+    (-1) write nothing."""
+    isa = sorted(NATIVE)[0]
+    T, Hkv, D, B, nb = 40, 3, 64, 16, 8
+    g = torch.Generator().manual_seed(3)
+    cache_dtype = FP8.get(kv_cache_dtype, dtype)
+    k_scale, v_scale = (0.37, 2.5) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    # Values from 1e-6 (fp8 denormals, underflow) to 1e3 (fp8 saturation / overflow).
+    mag = torch.pow(10.0, torch.empty(T, 2 * Hkv, 2 * D).uniform_(-6, 3, generator=g))
+    kv_new = (torch.randn(T, 2 * Hkv, 2 * D, generator=g) * mag).to(dtype)
+    key = kv_new[:, :Hkv, :D]  # strided views, like slices of a fused projection
+    value = kv_new[:, Hkv:, D:]
+    slots = torch.randperm(nb * B, generator=g)[:T]
+    slots[::7] = -1
+    init = torch.randn(nb, Hkv, B, 2 * D, generator=g).to(cache_dtype)
+    expected, got = init.clone(), init.clone()
+    ops.reshape_and_cache("ref", key, value, expected, slots, kv_cache_dtype, k_scale, v_scale)
+    ops.reshape_and_cache(isa, key, value, got, slots, kv_cache_dtype, k_scale, v_scale)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    untouched = torch.ones(nb * B, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    flat = lambda c: c.permute(0, 2, 1, 3).reshape(nb * B, -1).view(torch.uint8)  # noqa: E731
+    assert torch.equal(flat(got)[untouched], flat(init)[untouched])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+def test_backend_update_then_forward(kv_cache_dtype):
+    """The backend as the layer drives it: write this step's K/V, then attend; native vs ref."""
+    H, Hkv, D, B = 9, 3, 64, 16
+    impl = CPUAttentionBackendImpl(H, D, D**-0.5, Hkv, kv_cache_dtype, B, torch.bfloat16)
+    assert impl.isa != "ref"
+    layer = torch.nn.Module()
+    layer.k_scale, layer.v_scale = (1.0, 1.0) if kv_cache_dtype == "auto" else (0.5, 0.25)
+    q_seq = [(1, 33), (1, 200), (24, 24), (16, 80)]
+    cache_dtype = FP8.get(kv_cache_dtype, torch.bfloat16)
+    query, kv0, meta = make_case(q_seq, H, Hkv, D, B, torch.bfloat16, cache_dtype, seed=9)
+    # slot of each new token: the last query_len positions of its context
+    slots = []
+    for i, (q, s) in enumerate(q_seq):
+        for pos in range(s - q, s):
+            slots.append(int(meta.block_table[i, pos // B]) * B + pos % B)
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    g = torch.Generator().manual_seed(11)
+    key = torch.randn(query.shape[0], Hkv, D, generator=g).to(torch.bfloat16)
+    value = torch.randn(query.shape[0], Hkv, D, generator=g).to(torch.bfloat16)
+    outs = []
+    for isa in (impl.isa, "ref"):
+        impl.isa = isa
+        kv = kv0.clone()
+        impl.do_kv_cache_update(layer, key, value, kv, meta.slot_mapping)
+        out = torch.empty_like(query)
+        impl.forward(layer, query, key, value, kv, meta, out)
+        outs.append((kv, out))
+    assert torch.equal(outs[0][0].view(torch.uint8), outs[1][0].view(torch.uint8))
+    assert_close(outs[0][1], outs[1][1])
+
+
+def _best(*candidates):
+    return next((i for i in candidates if i in NATIVE), "ref")
+
+
+def test_isa_selection(monkeypatch):
+    monkeypatch.delenv("CPUSERVE_ATTN_ISA", raising=False)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert _get_attn_isa(bf16, 16, 64) == _best("amx", "vec512", "vec256")
+    assert _get_attn_isa(bf16, 32, 128, "fp8_e4m3") == _best("amx", "vec512", "vec256")
+    assert _get_attn_isa(fp32, 16, 64) == _best("vec512", "vec256")  # amx is bf16-only
+    assert _get_attn_isa(bf16, 8, 64) == _best("vec512", "vec256")  # amx needs 16-row blocks
+    assert _get_attn_isa(bf16, 16, 80) == _best("amx", "vec512", "vec256")
+    for head_size in (72, 192, 256):  # head sizes no native kernel serves
+        assert _get_attn_isa(bf16, 16, head_size) == "ref"
+    assert _get_attn_isa(bf16, 12, 64) == "ref"  # block size not a multiple of 8
+    assert _get_attn_isa(torch.float16, 16, 64) == "ref"
+
+
+def test_forced_isa_env(monkeypatch):
+    monkeypatch.setenv("CPUSERVE_ATTN_ISA", "ref")
+    assert _get_attn_isa(torch.bfloat16, 16, 64) == "ref"
+    monkeypatch.setenv("CPUSERVE_ATTN_ISA", "vec256")
+    assert _get_attn_isa(torch.bfloat16, 16, 64) == _best("vec256")
+    monkeypatch.setenv("CPUSERVE_ATTN_ISA", "vec512")
+    assert _get_attn_isa(torch.bfloat16, 16, 64) == _best("vec512", "vec256")
+    monkeypatch.setenv("CPUSERVE_ATTN_ISA", "amx")  # a ceiling, not a demand
+    assert _get_attn_isa(torch.bfloat16, 16, 64) == _best("amx", "vec512", "vec256")
+    assert _get_attn_isa(torch.bfloat16, 16, 72) == "ref"
+    monkeypatch.setenv("CPUSERVE_ATTN_ISA", "avx9000")
+    with pytest.raises(ValueError, match="CPUSERVE_ATTN_ISA"):
+        _get_attn_isa(torch.bfloat16, 16, 64)
+
+
+def test_no_extension_means_ref(monkeypatch):
+    monkeypatch.delenv("CPUSERVE_ATTN_ISA", raising=False)
+    monkeypatch.setattr(native, "available_isas", lambda: frozenset())
+    assert _get_attn_isa(torch.bfloat16, 16, 64) == "ref"
+
+
+def test_available_isas_match_cpu():
+    flags = ops.cpu_flags()
+    assert ("vec256" in NATIVE) == ({"avx2", "fma", "f16c"} <= flags)
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags:
+        assert "vec512" in NATIVE
+    assert ("amx" in NATIVE) == bool("vec512" in NATIVE and native._ext().cpu_has_amx())
+
+
+def test_bad_arguments_raise():
+    isa = sorted(NATIVE)[0]
+    query, kv, meta = make_case([(1, 40)], 4, 2, 64, 16, torch.bfloat16, torch.bfloat16)
+    out = torch.empty_like(query)
+    with pytest.raises(RuntimeError, match="unknown attention isa"):
+        native.run("sse9", query, kv, meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
+    bad_bt = meta.block_table.clone()
+    bad_bt[0, 1] = kv.shape[0]  # block id past the cache
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        native.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, bad_bt, 0.1, output=out)
+    with pytest.raises(RuntimeError, match="does not match model dtype"):
+        native.run(isa, query, kv.float(), meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
