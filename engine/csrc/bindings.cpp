@@ -15,4 +15,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache, "write new keys/values into their KV-cache slots");
   m.def("attention_isas", &attention_isas, "attention ISAs usable on this CPU");
   // ---- end attention.cpp ----
+  // ---- fused.cpp ----
+  m.def("fused_rms_norm", &fused_rms_norm, "RMSNorm", py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "(rms_norm(x + residual), x + residual)", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("fused_add_rms_norm_", &fused_add_rms_norm_, "in place: residual += x; x = rms_norm(residual)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("fused_silu_and_mul", &fused_silu_and_mul, "SiLU(gate) * up", py::arg("gate_up"));
+  m.def("fused_rope", &fused_rope, "NeoX rotary embedding of q and k", py::arg("positions"), py::arg("q"),
+        py::arg("k"), py::arg("cos_sin"), py::arg("head_size"), py::arg("inplace"));
+  m.def("fused_isas", &fused_isas, "fused-op instruction-set paths usable on this CPU");
+  m.def("fused_set_isa", &fused_set_isa, "pin the fused-op path (-1: best)", py::arg("isa"));
+  // ---- end fused.cpp ----
 }

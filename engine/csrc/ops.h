@@ -24,3 +24,21 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        const at::Tensor& slot_mapping, double k_scale, double v_scale);
 std::vector<std::string> attention_isas();  // attention ISAs compiled in and runnable on this CPU
 // ---- end attention.cpp ----
+
+// ---- fused.cpp (element-wise ops of a Llama layer; torch reference in engine/layers/fused.py) ----
+// bf16 or fp32, 2-D [T, H] with a contiguous last dim (any row stride); weight in x's dtype.
+torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// (rms_norm(x + residual), x + residual), new tensors
+std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                                                            const torch::Tensor& weight, double eps);
+// in place: residual = x + residual; x = rms_norm(residual)
+void fused_add_rms_norm_(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
+torch::Tensor fused_silu_and_mul(const torch::Tensor& gate_up);  // [T, 2d] -> [T, d]
+// NeoX RoPE of q [T, Hq*D] and k [T, Hkv*D] (row-strided slices allowed); cos_sin float32 [P, D] = [cos|sin].
+// inplace: rotates q and k and returns them; else returns new contiguous tensors.
+std::tuple<torch::Tensor, torch::Tensor> fused_rope(const torch::Tensor& positions, const torch::Tensor& q,
+                                                    const torch::Tensor& k, const torch::Tensor& cos_sin,
+                                                    int64_t head_size, bool inplace);
+std::vector<int64_t> fused_isas();  // 0 scalar, 1 avx2, 2 avx512
+void fused_set_isa(int64_t isa);    // pin a path (tests); -1: best
+// ---- end fused.cpp ----
