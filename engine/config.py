@@ -14,6 +14,7 @@ import torch
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+WEIGHT_QUANTS = ("auto", "q8_0", "none")
 
 
 @dataclass
@@ -88,13 +89,17 @@ class EngineConfig:
     served_model_name: Optional[str] = None
     seed: int = 0
     num_threads: int = field(default_factory=default_num_threads)
-    weight_quant: str = "auto"  # "auto" keeps GGUF blocks for small-batch matmuls where kernels exist; "none" = dense only
+    # "auto": keep GGUF's Q4/Q8 blocks for small-batch matmuls where kernels exist; "q8_0": also
+    # quantize dense checkpoints (lossy); "none": dense weights only.
+    weight_quant: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {self.weight_quant!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

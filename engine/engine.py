@@ -107,14 +107,23 @@ class LLMEngine:
         return num
 
     def _attach_packed_weights(self, loaded: LoadedModel) -> None:
-        """Keep GGUF's low-bit blocks for small-batch matmuls where the native kernels exist."""
-        if self.config.weight_quant == "none" or not loaded.gguf_tensors:
+        """Keep GGUF's low-bit blocks for small-batch matmuls where the native kernels exist.
+
+        ``weight_quant``: "auto" packs the file's own blocks (exact w.r.t. the weights);
+        "q8_0" also quantizes dense weights (HF checkpoints; lossy); "none" stays dense.
+        """
+        if self.config.weight_quant == "none":
             return
-        try:
-            from engine.layers import quant
-        except ImportError:
-            return
-        quant.attach_model(self.runner.model, loaded.gguf_tensors, self.config.weight_quant)
+        from engine.layers import quant
+
+        stats = quant.attach_gguf_weights(
+            self.runner.model, loaded.gguf_tensors, quantize_dense=self.config.weight_quant == "q8_0"
+        )
+        if stats["packed"] or stats["quantized"]:
+            logger.info(
+                "packed weights for small batches: %d from the file, %d quantized to Q8_0, %d dense (%.0f MiB)",
+                stats["packed"], stats["quantized"], stats["dense"], stats["bytes"] / 2**20,
+            )
 
     # --- requests -----------------------------------------------------------------------
 

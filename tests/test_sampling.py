@@ -1,0 +1,201 @@
+"""Sampling parameters: unit checks on synthetic logits, then end to end on the real model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.loader import load_model
+from engine.output_processor import RequestTextState
+from engine.request import Request, SamplingParams
+from engine.sampler import sample
+
+
+def reqs(*params: SamplingParams, outputs: list[int] | None = None) -> list[Request]:
+    out = []
+    for i, p in enumerate(params):
+        r = Request(str(i), [1, 2, 3], p, eos_token_ids=(0,))
+        for t in outputs or []:
+            r.append_token(t)
+        out.append(r)
+    return out
+
+
+def test_greedy_and_raw_logprobs():
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    out = sample(logits, reqs(SamplingParams(temperature=0, logprobs=2)))
+    assert out.token_ids == [2]
+    lp = out.logprobs[0]
+    expected = torch.log_softmax(logits[0], -1)
+    assert math.isclose(lp.logprob, expected[2].item(), rel_tol=1e-6)
+    assert [t for t, _ in lp.top] == [2, 3]
+
+
+def test_top_k_top_p_min_p_restrict_the_draw():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for params, allowed in [
+        (SamplingParams(temperature=1.0, top_k=2), {0, 1}),
+        (SamplingParams(temperature=1.0, top_p=0.7), {0, 1}),
+        (SamplingParams(temperature=1.0, min_p=0.5), {0, 1}),
+        (SamplingParams(temperature=1.0, top_p=0.01), {0}),
+    ]:
+        seen = {sample(logits, reqs(params)).token_ids[0] for _ in range(200)}
+        assert seen == allowed, params
+
+
+def test_temperature_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    params = SamplingParams(temperature=1.0, seed=1)
+    r = reqs(params)
+    counts = torch.zeros(3)
+    for _ in range(2000):
+        counts[sample(logits, r).token_ids[0]] += 1
+    assert torch.allclose(counts / 2000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+
+
+def test_seed_is_reproducible_whatever_shares_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 1000)
+    alone = [sample(logits, reqs(SamplingParams(temperature=1.0, seed=42))[:1]) for _ in range(1)]
+    seeded = reqs(SamplingParams(temperature=1.0, seed=42))[0]
+    others = reqs(SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, seed=3))
+    batch_logits = torch.cat([torch.randn(1, 1000), logits, torch.randn(1, 1000)])
+    mixed = sample(batch_logits, [others[0], seeded, others[1]])
+    assert mixed.token_ids[1] == alone[0].token_ids[0]
+
+
+def test_logit_bias_min_tokens_and_penalties():
+    logits = torch.tensor([[5.0, 1.0, 0.0, 0.0]])
+    assert sample(logits, reqs(SamplingParams(temperature=0, logit_bias={3: 100.0}))).token_ids == [3]
+    # EOS (id 0) is masked until min_tokens are out
+    assert sample(logits, reqs(SamplingParams(temperature=0, min_tokens=2))).token_ids == [1]
+    # presence/frequency penalties push away from tokens already generated
+    r = reqs(SamplingParams(temperature=0, frequency_penalty=2.0), outputs=[0, 0, 0])
+    assert sample(logits.clone(), r).token_ids == [1]
+    # repetition penalty divides positive logits of every token seen, prompt (ids 1-3) included
+    r = reqs(SamplingParams(temperature=0, repetition_penalty=2.0), outputs=[4])
+    assert sample(torch.tensor([[0.0, 2.5, 0.0, 0.0, 2.0, 1.5]]), r).token_ids == [5]
+
+
+class FakeTokenizer:
+    """Each token id decodes to one fixed piece, so stop strings can straddle tokens."""
+
+    pieces = {1: "Hel", 2: "lo ", 3: "wor", 4: "ld", 5: "!", 6: "END"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def _stream(tokens, **params):
+    from engine import output_processor
+
+    req = Request("r", [1], SamplingParams(**params))
+    state = RequestTextState.__new__(RequestTextState)
+    tok = FakeTokenizer()
+
+    class Detok:
+        def __init__(self):
+            self.ids = []
+
+        def add(self, t):
+            before = tok.decode(self.ids)
+            self.ids.append(t)
+            return tok.decode(self.ids)[len(before):]
+
+    state.detok = Detok()
+    state.stops = req.params.stop
+    state.include_stop = req.params.include_stop_str_in_output
+    state.holdback = max((len(s) for s in state.stops), default=1) - 1
+    state.text, state.sent, state.num_tokens_seen, state.stopped = "", 0, 0, None
+    chunks = []
+    for t in tokens:
+        req.append_token(t)
+        hit = state.update(req, token_level_stop=False)
+        chunks.append(state.take_new_text(finished=hit is not None))
+        if hit:
+            return chunks, hit
+    chunks.append(state.take_new_text(finished=True))
+    return chunks, None
+    del output_processor
+
+
+def test_stop_string_across_token_boundaries_is_cut_and_never_streamed():
+    chunks, hit = _stream([1, 2, 3, 4, 5], stop=["lo wo"])
+    assert hit == "lo wo"
+    assert "".join(chunks) == "Hel"
+    assert all("lo" not in c for c in chunks)
+    chunks, hit = _stream([1, 2, 3, 4, 5], stop=["lo wo"], include_stop_str_in_output=True)
+    assert "".join(chunks) == "Hello wo"
+    chunks, hit = _stream([1, 2, 3, 4, 5], stop=["xyz"])
+    assert hit is None and "".join(chunks) == "Hello world!"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    loaded = load_model("default", torch.bfloat16)
+    return LLMEngine(EngineConfig(model="default", cache=CacheConfig(num_blocks=256)), loaded=loaded)
+
+
+def _generate(engine: LLMEngine, prompts, params):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", p, params[i] if isinstance(params, list) else params)
+    out: dict[str, dict] = {}
+    while engine.has_unfinished():
+        deltas, _, _ = engine.step()
+        for d in deltas:
+            o = out.setdefault(d.request_id, {"text": "", "tokens": [], "lps": [], "finish": None, "stop": None})
+            o["text"] += d.new_text
+            o["tokens"] += d.new_token_ids
+            o["lps"] += d.new_logprobs
+            if d.prompt_logprobs is not None:
+                o["prompt_lps"] = d.prompt_logprobs
+            if d.finished:
+                o["finish"], o["stop"] = d.finish_reason, d.stop_reason
+    return out
+
+
+def test_seeded_sampling_on_the_model_is_batch_independent(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = _generate(engine, ["Tell me a story about a dragon"], params)["q0"]["tokens"]
+    others = [SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)] * 3
+    mixed = _generate(
+        engine, ["Hi", "Tell me a story about a dragon", "The weather today", "x = 1"], [others[0], params, *others[1:]]
+    )
+    assert mixed["q1"]["tokens"] == alone
+
+
+def test_stop_string_and_stop_token_on_the_model(engine):
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = _generate(engine, ["Count from one to ten: one, two, three,"], greedy)["q0"]["text"]
+    assert " five" in full
+    cut = _generate(
+        engine, ["Count from one to ten: one, two, three,"],
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[" five"]),
+    )["q0"]
+    assert cut["finish"] == "stop" and cut["stop"] == " five"
+    assert cut["text"] == full[: full.index(" five")]
+    first = engine.tokenizer.encode(full)[0]
+    by_id = _generate(
+        engine, ["Count from one to ten: one, two, three,"],
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[first]),
+    )["q0"]
+    assert by_id["finish"] == "stop" and by_id["stop"] == first and by_id["text"] == ""
+
+
+def test_logprobs_and_prompt_logprobs_on_the_model(engine):
+    out = _generate(
+        engine, ["The capital of France is"],
+        SamplingParams(temperature=0, max_tokens=4, logprobs=5, prompt_logprobs=3),
+    )["q0"]
+    assert len(out["lps"]) == len(out["tokens"])
+    for lp, tok in zip(out["lps"], out["tokens"]):
+        assert lp.token_id == tok and len(lp.top) == 5
+        assert lp.top[0][0] == tok  # greedy: the chosen token is the most likely one
+        assert lp.logprob <= 0 and abs(lp.logprob - lp.top[0][1]) < 1e-4
+    n_prompt = len(engine.tokenizer.encode("The capital of France is"))
+    assert len(out["prompt_lps"]) == n_prompt and out["prompt_lps"][0] is None
+    assert all(p is not None and len(p.top) == 3 for p in out["prompt_lps"][1:])
