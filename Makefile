@@ -27,7 +27,7 @@ PIP_INDEX_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--extra-index-url $(TORCH_IND
 NATIVE_SOURCES := $(wildcard engine/native.py engine/csrc/*)
 
 # torch's JIT extension build looks for `ninja` on PATH; the venv has one.
-export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: help install install-test serve test prometheus-tools clean-venv
 
