@@ -132,6 +132,19 @@ def test_other_head_sizes(isa, dtype, head_size):
     assert_close(got, expected)
 
 
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+@pytest.mark.parametrize("gqa", [2, 4, 7, 8, 16])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
+def test_gqa_group_sizes(isa, gqa, head_size):
+    """Decode groups of 2-16 query rows per kv head (vec512 reads the cache directly up to
+    8 rows, then through tiles) and a 2-token chunk (rows from two positions)."""
+    _need(isa)
+    q_seq = MIXED[:6] + [(2, 50)]
+    query, kv, meta = make_case(q_seq, 2 * gqa, 2, head_size, 16, torch.bfloat16, torch.bfloat16, seed=gqa)
+    got, expected = run_both(isa, query, kv, meta, head_size, "auto", 1.0, 1.0)
+    assert_close(got, expected)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("gqa", [1, 3, 8, 20])
 def test_amx_tile_code_emulated(gqa, kv_cache_dtype):

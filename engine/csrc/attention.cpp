@@ -216,7 +216,8 @@ UnitFn unit_fn(Isa isa, bool bf16, int R) {
     case Isa::kVec512:
       break;
   }
-  return bf16 ? &run_unit<v512::Bf16Ops> : &run_unit<v512::F32Ops>;
+  if (!bf16) return &run_unit<v512::F32Ops>;
+  return R <= v512::Bf16DecodeOps::kMaxRows ? &run_unit<v512::Bf16DecodeOps> : &run_unit<v512::Bf16Ops>;
 }
 
 struct Merge {

@@ -14,6 +14,8 @@
 //   splits' (m, l, O) are merged afterwards.
 #pragma once
 
+#include <xmmintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -25,6 +27,7 @@ namespace cpuserve_attn {
 constexpr int KT = 32;          // keys per tile
 constexpr int RMAX = 64;        // query rows per work unit (tokens x heads of one kv group)
 constexpr int MIN_SPLIT = 128;  // fewest keys one split of a long context gets
+constexpr int PF = 1;           // prefetch the rows of the tile this many tiles ahead
 
 enum class KvKind : int { kSame = 0, kE4M3 = 1, kE5M2 = 2 };
 
@@ -61,6 +64,8 @@ struct Scratch {
   float* l;     // running sum [rows_cap]
   float* alpha; // rescale of this tile [rows_cap]
   int* pos;     // position of each query row [rows_cap]
+  const void* krows[KT];  // this tile's K / V rows (cache or dequantised), direct decode paths
+  const void* vrows[KT];
 };
 
 inline Scratch& thread_scratch(const AttnParams& p) {
@@ -113,11 +118,40 @@ struct WorkUnit {
   int64_t cost;
 };
 
-// Row pointer of key position `pos` (K at [0, D), V at [D, 2D)).
-inline const uint8_t* kv_row(const AttnParams& p, const int32_t* bt_row, int kvh, int pos) {
-  const int64_t blk = bt_row[pos / p.B];
-  const int64_t off = pos % p.B;
-  return p.kv + (blk * p.kv_sb + kvh * p.kv_sh + off * p.kv_so) * p.kv_elt;
+// Row pointers (K at [0, D), V at [D, 2D)) of key positions [k0, k0 + n): one division
+// per tile, then walk the block table.
+inline void gather_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int k0, int n, const uint8_t** rows) {
+  const int64_t row_bytes = p.kv_so * p.kv_elt;
+  int b = k0 / p.B, off = k0 - b * p.B;
+  const uint8_t* head = p.kv + (static_cast<int64_t>(kvh) * p.kv_sh) * p.kv_elt;
+  const uint8_t* row = head + (bt_row[b] * p.kv_sb + off * p.kv_so) * p.kv_elt;
+  for (int i = 0; i < n; ++i) {
+    rows[i] = row;
+    if (++off == p.B) {
+      off = 0;
+      if (i + 1 < n) row = head + (bt_row[++b] * p.kv_sb) * p.kv_elt;
+    } else {
+      row += row_bytes;
+    }
+  }
+}
+
+// Ask for the next tile's rows while this one computes (blocks sit anywhere in memory,
+// so the hardware prefetchers see only short runs).
+inline void prefetch_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int k0, int n) {
+  if (n <= 0) return;
+  const int64_t row_bytes = p.kv_so * p.kv_elt;
+  const uint8_t* head = p.kv + (static_cast<int64_t>(kvh) * p.kv_sh) * p.kv_elt;
+  int b = k0 / p.B, off = k0 - b * p.B;
+  while (n > 0) {
+    const int m = std::min(n, p.B - off);
+    const uint8_t* start = head + (bt_row[b] * p.kv_sb + off * p.kv_so) * p.kv_elt;
+    const uint8_t* end = start + m * row_bytes;
+    for (const uint8_t* c = start; c < end; c += 64) _mm_prefetch(reinterpret_cast<const char*>(c), _MM_HINT_T0);
+    n -= m;
+    off = 0;
+    ++b;
+  }
 }
 
 // Per-ISA operations the tile loop calls (static members of an Ops struct):
@@ -151,6 +185,7 @@ void run_unit(const AttnParams& p, const WorkUnit& u, float* partials) {
   Ops::load_q(p, s, tok, ntok, u.kvh, R);
   for (int k0 = u.kv_begin; k0 < u.kv_end; k0 += KT) {
     const int n = std::min(KT, u.kv_end - k0);
+    prefetch_rows(p, bt_row, u.kvh, k0 + PF * KT, std::min(KT, u.kv_end - k0 - PF * KT));
     Ops::prep_kv(p, s, bt_row, u.kvh, k0, n);
     Ops::qk(p, s, R, n);
     const bool masked = n < KT || k0 + KT - 1 > min_pos;

@@ -183,6 +183,8 @@ struct Ops {
   }
 
   __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
+    const uint8_t* rows[KT];
+    gather_rows(p, bt_row, kvh, k0, n, rows);
     const int D = p.D, Dp = p.Dp;
     const bool cache_bf16 = p.kv_kind == KvKind::kSame && p.model_bf16;
     const bool need_k_copy = !(p.kv_kind == KvKind::kSame && !p.model_bf16);
@@ -196,7 +198,7 @@ struct Ops {
         for (int d = 0; d < Dp; d += 8) _mm256_store_ps(vd + d, _mm256_setzero_ps());
         continue;
       }
-      const uint8_t* base = kv_row(p, bt_row, kvh, k0 + i);
+      const uint8_t* base = rows[i];
       const uint8_t* vbase = base + D * p.kv_elt;
       if (need_k_copy) {
         row_to_f32(base, cache_bf16, p.kv_kind, p.k_scale, p.model_bf16, D, Dp, krow + i * Dp);

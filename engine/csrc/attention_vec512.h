@@ -232,6 +232,8 @@ struct Bf16Ops {
   }
 
   __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
+    const uint8_t* rows[KT];
+    gather_rows(p, bt_row, kvh, k0, n, rows);
     const int D = p.D, Dp = p.Dp;
     const uint16_t* krows[KT];
     const uint16_t* vrows[KT];
@@ -240,7 +242,7 @@ struct Bf16Ops {
         krows[i] = vrows[i] = nullptr;
         continue;
       }
-      const uint8_t* base = kv_row(p, bt_row, kvh, k0 + i);
+      const uint8_t* base = rows[i];
       if (p.kv_kind == KvKind::kSame) {
         krows[i] = reinterpret_cast<const uint16_t*>(base);
         vrows[i] = krows[i] + D;
@@ -344,6 +346,159 @@ struct Bf16Ops {
   }
 };
 
+// Few query rows (decode: one token's GQA group, R <= 8).  Storing transposed K and
+// interleaved V tiles costs more than the dot products when only a handful of rows
+// reuse them, so these read the cache rows directly and transpose / interleave in
+// registers right before the dpbf16s.
+template <int RB>
+static inline void qk_direct_bf16(const int32_t* q, int qs, const void* const* krows, int D, int n, float* S) {
+  for (int h = 0; h < KT / 16; ++h) {
+    if (h * 16 >= n) {
+      for (int r = 0; r < RB; ++r) _mm512_store_ps(S + r * KT + h * 16, _mm512_setzero_ps());
+      continue;
+    }
+    __m512 acc[RB];
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c * 32 < D; ++c) {
+      const __mmask32 mk = mask32(D - c * 32);
+      __m512i t[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        const uint16_t* row = static_cast<const uint16_t*>(krows[h * 16 + i]);
+        t[i] = h * 16 + i < n ? _mm512_maskz_loadu_epi16(mk, row + c * 32) : _mm512_setzero_si512();
+      }
+      transpose16(t);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r)
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q[r * qs + c * 16 + j]), (__m512bh)t[j]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) _mm512_store_ps(S + r * KT + h * 16, acc[r]);
+  }
+}
+
+// O[:, d0 : d0 + 16 NV] = O * alpha + P V for RB rows, V pairs interleaved in registers.
+template <int RB, int NV>
+static inline void pv_direct_bf16(const int32_t* P, const void* const* vrows, int d0, int Dp, int n, float* O,
+                                  const float* alpha) {
+  const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                          36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  constexpr int kLoads = NV >= 2 ? NV / 2 : 1;
+  const __mmask32 mk = NV >= 2 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>(0xFFFFu);
+  __m512 acc[RB][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(O + r * Dp + d0 + 16 * c), a);
+  }
+  const int npairs = (n + 1) / 2;
+  for (int j = 0; j < npairs; ++j) {
+    const uint16_t* a = static_cast<const uint16_t*>(vrows[2 * j]) + d0;
+    const bool has_b = 2 * j + 1 < n;
+    const uint16_t* b = has_b ? static_cast<const uint16_t*>(vrows[2 * j + 1]) + d0 : nullptr;
+    __m512bh vv[NV];
+#pragma GCC unroll 2
+    for (int k = 0; k < kLoads; ++k) {
+      const __m512i va = _mm512_maskz_loadu_epi16(mk, a + 32 * k);
+      const __m512i vb = has_b ? _mm512_maskz_loadu_epi16(mk, b + 32 * k) : _mm512_setzero_si512();
+      vv[2 * k] = (__m512bh)_mm512_permutex2var_epi16(va, idx_lo, vb);
+      if (NV >= 2) vv[2 * k + 1] = (__m512bh)_mm512_permutex2var_epi16(va, idx_hi, vb);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(P[r * (KT / 2) + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + d0 + 16 * c, acc[r][c]);
+  }
+}
+
+template <int RB>
+static inline void pv_direct_rows(const int32_t* P, const void* const* vrows, int D, int Dp, int n, float* O, const float* alpha) {
+  int d0 = 0;
+  if (RB <= 6)
+    for (; d0 + 64 <= D; d0 += 64) pv_direct_bf16<RB, 4>(P, vrows, d0, Dp, n, O, alpha);
+  for (; d0 + 32 <= D; d0 += 32) pv_direct_bf16<RB, 2>(P, vrows, d0, Dp, n, O, alpha);
+  if (d0 < D) pv_direct_bf16<RB, 1>(P, vrows, d0, Dp, n, O, alpha);
+}
+
+struct Bf16DecodeOps {
+  static constexpr int kMaxRows = 8;
+  static void begin(const AttnParams&, Scratch&, int) {}
+  static void end() {}
+  static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    Bf16Ops::load_q(p, s, tok, ntok, kvh, R);
+  }
+
+  __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
+    const uint8_t* rows[KT];
+    gather_rows(p, bt_row, kvh, k0, n, rows);
+    const int D = p.D, Dp = p.Dp;
+    for (int i = 0; i < n; ++i) {
+      if (p.kv_kind == KvKind::kSame) {
+        s.krows[i] = rows[i];
+        s.vrows[i] = rows[i] + D * 2;
+        for (int b = 0; b < D * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i] + D * 2 + b), _MM_HINT_T0);
+      } else {
+        uint16_t* kd = static_cast<uint16_t*>(s.krow) + i * Dp;
+        uint16_t* vd = static_cast<uint16_t*>(s.vrow) + i * Dp;
+        dequant_row_bf16(rows[i], D, Dp, p.kv_kind, p.k_scale, kd);
+        dequant_row_bf16(rows[i] + D, D, Dp, p.kv_kind, p.v_scale, vd);
+        s.krows[i] = kd;
+        s.vrows[i] = vd;
+      }
+    }
+  }
+
+  __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
+    const int32_t* q = static_cast<const int32_t*>(s.q);
+    const int qs = p.Dp / 2;
+    switch (R) {
+      case 1: return qk_direct_bf16<1>(q, qs, s.krows, p.D, n, s.S);
+      case 2: return qk_direct_bf16<2>(q, qs, s.krows, p.D, n, s.S);
+      case 3: return qk_direct_bf16<3>(q, qs, s.krows, p.D, n, s.S);
+      case 4: return qk_direct_bf16<4>(q, qs, s.krows, p.D, n, s.S);
+      case 5: return qk_direct_bf16<5>(q, qs, s.krows, p.D, n, s.S);
+      case 6: return qk_direct_bf16<6>(q, qs, s.krows, p.D, n, s.S);
+      case 7: return qk_direct_bf16<7>(q, qs, s.krows, p.D, n, s.S);
+      default: return qk_direct_bf16<8>(q, qs, s.krows, p.D, n, s.S);
+    }
+  }
+
+  static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
+    Bf16Ops::softmax(p, s, R, k0, n, masked);
+  }
+
+  __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
+    const int32_t* P = static_cast<const int32_t*>(s.P);
+    switch (R) {
+      case 1: return pv_direct_rows<1>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
+      case 2: return pv_direct_rows<2>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
+      case 3: return pv_direct_rows<3>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
+      case 4: return pv_direct_rows<4>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
+      case 5: return pv_direct_rows<5>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
+      case 6: return pv_direct_rows<6>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
+      case 7: return pv_direct_rows<7>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
+      default: return pv_direct_rows<8>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
+    }
+  }
+
+  static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    Bf16Ops::store(p, s, tok, ntok, kvh, R);
+  }
+};
+
 // ---------------------------------------------------------------- fp32 model dtype
 
 template <int RB>
@@ -423,6 +578,8 @@ struct F32Ops {
   }
 
   __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
+    const uint8_t* rows[KT];
+    gather_rows(p, bt_row, kvh, k0, n, rows);
     const int D = p.D, Dp = p.Dp;
     const float* krows[KT];
     float* v = static_cast<float*>(s.v);
@@ -433,7 +590,7 @@ struct F32Ops {
         for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_setzero_ps());
         continue;
       }
-      const uint8_t* base = kv_row(p, bt_row, kvh, k0 + i);
+      const uint8_t* base = rows[i];
       if (p.kv_kind == KvKind::kSame) {
         const float* row = reinterpret_cast<const float*>(base);
         krows[i] = row;
