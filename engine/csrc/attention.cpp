@@ -467,6 +467,9 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   uint8_t* cache = static_cast<uint8_t*>(kv_cache.data_ptr());
   const int64_t k_st = key.stride(0), k_sh = key.stride(1), v_st = value.stride(0), v_sh = value.stride(1);
   const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  const bool src_bf16 = src_t == at::kBFloat16;
+  const KvKind kind = dst_t == at::kFloat8_e4m3fn ? KvKind::kE4M3 : KvKind::kE5M2;
+  const bool use_vec = fp8 && cpu_has_vec512();
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, Hkv * D));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -482,8 +485,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
           std::memcpy(dst + D * dst_elt, vs_row, D * dst_elt);
           continue;
         }
-        if (dst_t == at::kFloat8_e4m3fn) {
-          if (src_t == at::kBFloat16) {
+        if (use_vec) {
+          v512::store_fp8_row(ks_row, src_bf16, dst, D, ks, kind);
+          v512::store_fp8_row(vs_row, src_bf16, dst + D, D, vs, kind);
+        } else if (kind == KvKind::kE4M3) {
+          if (src_bf16) {
             store_fp8_row<c10::BFloat16, c10::Float8_e4m3fn>(reinterpret_cast<const c10::BFloat16*>(ks_row), dst, D, ks);
             store_fp8_row<c10::BFloat16, c10::Float8_e4m3fn>(reinterpret_cast<const c10::BFloat16*>(vs_row), dst + D, D, vs);
           } else {
@@ -491,7 +497,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
             store_fp8_row<float, c10::Float8_e4m3fn>(reinterpret_cast<const float*>(vs_row), dst + D, D, vs);
           }
         } else {
-          if (src_t == at::kBFloat16) {
+          if (src_bf16) {
             store_fp8_row<c10::BFloat16, c10::Float8_e5m2>(reinterpret_cast<const c10::BFloat16*>(ks_row), dst, D, ks);
             store_fp8_row<c10::BFloat16, c10::Float8_e5m2>(reinterpret_cast<const c10::BFloat16*>(vs_row), dst + D, D, vs);
           } else {

@@ -106,6 +106,55 @@ static inline void dequant_row_f32(const uint8_t* src, int D, int Dp, KvKind kin
   for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(dst + d0, _mm512_mul_ps(fp8x16_to_ps(src + d0, D - d0, kind), sc));
 }
 
+// KV-cache write: D values (bf16 or fp32) -> fp8(x / scale), bit-exact with c10's
+// scalar conversions (fp8e4m3fn_from_fp32_value / fp8e5m2_from_fp32_value, which
+// torch's .to(float8) uses): same three branches (overflow/NaN, denormal via a float
+// add, round-to-nearest-even on the bits), evaluated for 16 lanes and blended.
+static inline __m128i fp8x16_from_ps(__m512 f, KvKind kind) {
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(bits, sign);
+  const bool e4m3 = kind == KvKind::kE4M3;
+  const uint32_t fp8_max = e4m3 ? (1087u << 20) : (143u << 23);
+  const uint32_t min_normal = e4m3 ? (121u << 23) : (113u << 23);
+  const uint32_t denorm_mask = e4m3 ? (141u << 23) : (134u << 23);
+  const int mshift = e4m3 ? 20 : 21;
+  const uint32_t bias = e4m3 ? ((static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu) : ((static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFFu);
+  // normal range
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, mshift), _mm512_set1_epi32(1));
+  __m512i norm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(bias))), odd), mshift);
+  norm = _mm512_and_si512(norm, _mm512_set1_epi32(0xFF));
+  if (e4m3)  // rounding may carry into the NaN pattern: saturate
+    norm = _mm512_mask_mov_epi32(norm, _mm512_cmpeq_epi32_mask(norm, _mm512_set1_epi32(0x7f)), _mm512_set1_epi32(0x7e));
+  // denormal range
+  const __m512 dm = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(denorm_mask)));
+  const __m512i den = _mm512_and_si512(
+      _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), dm)), _mm512_set1_epi32(static_cast<int>(denorm_mask))),
+      _mm512_set1_epi32(0xFF));
+  // overflow / inf / NaN
+  const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+  const __m512i big = _mm512_mask_mov_epi32(_mm512_set1_epi32(e4m3 ? 0x7e : 0x7c), is_nan, _mm512_set1_epi32(0x7f));
+  __m512i r = _mm512_mask_mov_epi32(norm, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(min_normal))), den);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(fp8_max))), big);
+  r = _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+  return _mm512_cvtepi32_epi8(r);
+}
+
+static void store_fp8_row(const void* src, bool src_bf16, uint8_t* dst, int D, float scale, KvKind kind) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int d = 0; d < D; d += 16) {
+    const __mmask16 mk = mask16(D - d);
+    __m512 x;
+    if (src_bf16) {
+      const __m256i h = _mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(src) + d);
+      x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      x = _mm512_maskz_loadu_ps(mk, static_cast<const float*>(src) + d);
+    }
+    _mm_mask_storeu_epi8(dst + d, mk, fp8x16_from_ps(_mm512_div_ps(x, sc), kind));
+  }
+}
+
 // Online-softmax update of one tile: scores -> probabilities (bf16 pairs or fp32).
 template <bool BF16>
 static inline void softmax_tile(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
