@@ -1,0 +1,176 @@
+"""POST /v1/chat/completions: messages through the model's chat template, then the same engine.
+
+Non-streaming answers are ``chat.completion`` objects; streaming sends ``chat.completion.chunk``
+deltas: first ``{"role": "assistant", "content": ""}`` for every choice, then the content as it
+comes, then an empty delta with the finish reason.  ``logprobs: true`` (with ``top_logprobs: k``)
+gives OpenAI's chat shape: ``content: [{token, logprob, bytes, top_logprobs}]``.  ``max_tokens``
+(or ``max_completion_tokens``) defaults to the rest of the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import AsyncIterator, Optional, Sequence
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine.request import MAX_LOGPROBS, CompletionDelta, Logprob
+from engine.tokenizer import Tokenizer
+from service.errors import bad_request
+from service.generate import (
+    SSE_HEADERS,
+    ClientDisconnected,
+    Generation,
+    new_request_id,
+    sse,
+    sse_stream,
+    unless_disconnected,
+)
+from service.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    Usage,
+)
+from service.sampling import build_sampling_params
+from service.state import ServerState
+
+
+async def create_chat_completion(req: ChatCompletionRequest, state: ServerState, raw: Request) -> Response:
+    state.check_model(req.model)
+    engine, _ = state.engines()
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    prompt_ids = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
+    gen = Generation(state, new_request_id("chatcmpl"), [prompt_ids], params, req.priority)
+    view = _Chat(req, engine.tokenizer, engine.model_name, gen, logprobs)
+    if req.stream:
+        return StreamingResponse(sse_stream(view.stream()), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        body = await unless_disconnected(raw, view.collect())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def render_chat(tok: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """Messages -> prompt token ids, through the model's template (which adds any BOS itself)."""
+    plain = []
+    for m in messages:
+        msg = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        plain.append(msg)
+    try:
+        text = tok.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except (ValueError, jinja2.TemplateError) as exc:  # no template, or the template refused the messages
+        raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _finish_reason(d: CompletionDelta) -> Optional[str]:
+    if not d.finished:
+        return None
+    return "length" if d.finish_reason == "length" else "stop"
+
+
+class _Chat:
+    def __init__(
+        self, req: ChatCompletionRequest, tok: Tokenizer, model: str, gen: Generation, top_k: Optional[int]
+    ) -> None:
+        self.req = req
+        self.tok = tok
+        self.model = model
+        self.gen = gen
+        self.top_k = top_k  # None: no logprobs
+
+    def _logprobs(self, lps: Sequence[Logprob]) -> Optional[ChatChoiceLogprobs]:
+        if self.top_k is None:
+            return None
+        content = []
+        for entry in lps:
+            token = self.tok.id_to_piece(entry.token_id)
+            top = [self._top(tid, lp) for tid, lp in entry.top[: self.top_k]]
+            content.append(
+                ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=list(token.encode()), top_logprobs=top)
+            )
+        return ChatChoiceLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float) -> ChatTopLogprob:
+        token = self.tok.id_to_piece(token_id)
+        return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+    def _usage(self) -> Usage:
+        g = self.gen
+        return Usage(
+            prompt_tokens=g.prompt_tokens,
+            completion_tokens=g.completion_tokens,
+            total_tokens=g.prompt_tokens + g.completion_tokens,
+        )
+
+    async def collect(self) -> ChatCompletionResponse:
+        n = self.gen.num_choices
+        texts = [""] * n
+        lps: list[list[Logprob]] = [[] for _ in range(n)]
+        finish: list[Optional[CompletionDelta]] = [None] * n
+        async with contextlib.aclosing(self.gen.deltas()) as deltas:
+            async for _, d in deltas:
+                texts[d.index] += d.new_text
+                lps[d.index].extend(d.new_logprobs)
+                if d.finished:
+                    finish[d.index] = d
+        choices = [
+            ChatChoice(
+                index=j,
+                message=ChatResponseMessage(content=texts[j]),
+                logprobs=self._logprobs(lps[j]),
+                finish_reason=_finish_reason(finish[j]) if finish[j] else None,
+                stop_reason=finish[j].stop_reason if finish[j] else None,
+            )
+            for j in range(n)
+        ]
+        return ChatCompletionResponse(id=self.gen.request_id, model=self.model, choices=choices, usage=self._usage())
+
+    async def stream(self) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> str:
+            return sse(
+                ChatCompletionChunk(id=self.gen.request_id, created=created, model=self.model, choices=choices, usage=usage)
+            )
+
+        for j in range(self.gen.num_choices):
+            yield chunk([ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content=""))])
+        async with contextlib.aclosing(self.gen.deltas()) as deltas:
+            async for _, d in deltas:
+                logprobs = self._logprobs(d.new_logprobs) if d.new_logprobs else None
+                if not (d.new_text or d.finished or logprobs):
+                    continue  # text held back (a possible stop string, a split character)
+                choice = ChatChunkChoice(
+                    index=d.index,
+                    delta=ChatDelta(content=d.new_text or None),
+                    logprobs=logprobs,
+                    finish_reason=_finish_reason(d),
+                    stop_reason=d.stop_reason if d.finished else None,
+                )
+                yield chunk([choice])
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            yield chunk([], self._usage())

@@ -1,0 +1,204 @@
+"""One HTTP request's trip through the engine, shared by completions and chat.
+
+:class:`Generation` submits every prompt of a request (each asks for ``n`` choices) and merges
+their delta streams into one, in arrival order.  It owns what every request needs whatever its
+response shape: aborting unfinished sequences when the consumer goes away (client disconnect,
+error, shutdown timeout), inter-token latency and generated-token metrics, the token counts for
+``usage``, and the one log line per finished request.  Prompts and keys are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from engine.async_engine import EngineDeadError
+from engine.engine import RequestError
+from engine.request import CompletionDelta, SamplingParams
+from service.errors import APIError
+from service.state import ServerState
+
+logger = logging.getLogger("service.requests")
+
+T = TypeVar("T")
+_END = object()
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Generation:
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.prompts = prompts
+        self.n = params.n
+        self.t0 = time.monotonic()
+        engine, _ = state.engines()
+        for ids in prompts:  # all or nothing: check every prompt before queueing any
+            try:
+                engine.validate(ids, params)
+            except RequestError as exc:
+                raise APIError(400, str(exc), param=exc.param) from None
+        self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.streams: list[AsyncIterator[CompletionDelta]] = []
+        try:
+            for rid, ids in zip(self.engine_ids, prompts):
+                self.streams.append(state.submit(rid, ids, params, priority))
+        except APIError:
+            for rid in self.engine_ids[: len(self.streams)]:
+                state.abort(rid)
+            raise
+        self.first_token_at: Optional[float] = None
+        self.finish_reasons: Counter[str] = Counter()
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self._last_token_at: dict[tuple[int, int], float] = {}
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, CompletionDelta]]:
+        """(prompt index, delta) for every delta of every choice; raises APIError if the engine fails.
+
+        Consume it under ``contextlib.aclosing`` so an early exit aborts the rest at once.
+        """
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        pumps = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(self.streams)]
+        open_streams = len(pumps)
+        outcome = "abort"
+        try:
+            while open_streams:
+                i, item = await queue.get()
+                if item is _END:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    outcome = "error"
+                    if isinstance(item, EngineDeadError):
+                        raise APIError(503, str(item), code="engine_dead")
+                    raise APIError(500, f"generation failed: {item}")
+                self._observe(i, item)
+                if item.finish_reason == "error":
+                    outcome = "error"
+                    raise APIError(500, f"generation failed: {item.error or 'engine error'}")
+                yield i, item
+            outcome = "done"
+        finally:
+            for task in pumps:
+                task.cancel()
+            if outcome != "done":
+                for rid in self.engine_ids:
+                    self.state.abort(rid)  # frees the KV blocks now, not when the pumps wind down
+                self.state.metrics.ended_early(outcome, self.num_choices - sum(self.finish_reasons.values()))
+            self._log(outcome)
+
+    def _observe(self, prompt_index: int, d: CompletionDelta) -> None:
+        now = time.monotonic()
+        if d.new_token_ids:
+            self.state.metrics.generated(len(d.new_token_ids))
+            key = (prompt_index, d.index)
+            last = self._last_token_at.get(key)
+            if last is not None:
+                self.state.metrics.inter_token_latency(now - last)
+            self._last_token_at[key] = now
+            if self.first_token_at is None:
+                self.first_token_at = now
+        if d.finished:
+            self.finish_reasons[d.finish_reason or "stop"] += 1
+            self.completion_tokens += d.num_output_tokens
+            if d.index == 0:
+                self.cached_tokens += d.num_cached_tokens
+
+    def _log(self, outcome: str) -> None:
+        ttft = f"{self.first_token_at - self.t0:.3f}s" if self.first_token_at is not None else "-"
+        finish = ",".join(f"{k}:{v}" for k, v in sorted(self.finish_reasons.items())) or "-"
+        what = {"done": "finished", "abort": "aborted", "error": "failed"}[outcome]
+        logger.info(
+            "%s %s: prompts=%d n=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d finish=%s ttft=%s e2e=%.3fs",
+            self.request_id, what, len(self.prompts), self.n, self.prompt_tokens, self.completion_tokens,
+            self.cached_tokens, finish, ttft, time.monotonic() - self.t0,
+        )
+
+
+async def _pump(index: int, stream: AsyncIterator[CompletionDelta], queue: asyncio.Queue) -> None:
+    try:
+        async for delta in stream:
+            queue.put_nowait((index, delta))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer
+        queue.put_nowait((index, exc))
+        return
+    queue.put_nowait((index, _END))
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` (a non-streaming generation); cancel it, aborting its requests, if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Server-sent events ending in ``[DONE]``; an error after the headers went out becomes an error event."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    except APIError as exc:
+        yield sse(exc.body())
+    yield SSE_DONE

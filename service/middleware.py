@@ -1,0 +1,126 @@
+"""The gate every HTTP request passes before a route: API key, body size, drain; and HTTP metrics.
+
+Plain ASGI (not Starlette's BaseHTTPMiddleware, which gets in the way of streaming and of
+disconnect detection).  ``/health`` and ``/metrics`` never need the key.  The body is read here,
+up to ``--max-request-bytes`` (413 beyond), and replayed to the app.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Optional
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.errors import APIError
+from service.state import ServerState
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+        "/health",
+        "/metrics",
+        "/docs",
+        "/openapi.json",
+    }
+)
+
+
+class GateMiddleware:
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        key = state.config.api_key
+        self._key = key.encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = 500  # if the app raises before answering
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            error = self._check(scope)
+            if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                body, error = await self._read_body(scope, receive)
+                if error is None:
+                    receive = _replay(body, receive)
+            if error is not None:
+                self.state.metrics.rejected(error.reject_reason or "invalid")
+                await error.response()(scope, receive, send_and_record)
+                return
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.state.metrics.http_response(path if path in ROUTES else "other", status)
+
+    def _check(self, scope: Scope) -> Optional[APIError]:
+        if scope["path"] in OPEN_PATHS:
+            return None
+        if self._key is not None and not self._authorized(scope):
+            return APIError(
+                401,
+                "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if self.state.draining and scope["method"] == "POST":
+            return APIError(503, "the server is shutting down", code="shutting_down", reject_reason="shutting_down")
+        return None
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self._key is not None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+                    return True
+        return False
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, Optional[APIError]]:
+        limit = self.state.config.max_request_bytes
+        too_large = APIError(
+            413, f"the request body is larger than this server's limit of {limit} bytes", code="request_too_large"
+        )
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                return b"", too_large
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client went away; the app will see an empty body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return b"", too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body once, then the real channel (so the app still hears the client disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

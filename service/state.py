@@ -1,0 +1,156 @@
+"""The server's engine and its life: load in the background, warm up, serve, drain, stop.
+
+The HTTP socket opens at once; ``/health`` answers 503 until the model is loaded and one tiny
+generation has run, then 200 until the engine dies or SIGTERM starts the drain.  Handlers reach
+the engine only through :meth:`ServerState.engines` and :meth:`ServerState.submit`, which turn the
+engine's exceptions into HTTP errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import AsyncIterator, Callable, Optional, Sequence
+
+from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from engine.engine import LLMEngine, RequestError
+from engine.loader import ModelLoadError
+from engine.request import CompletionDelta, SamplingParams
+from service.config import ServiceConfig
+from service.errors import APIError
+from service.metrics import Metrics
+
+logger = logging.getLogger("service")
+
+RETRY_AFTER_S = 1  # 429: the queue usually moves within a second or so
+
+
+class ServerState:
+    def __init__(self, config: ServiceConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.engine: Optional[LLMEngine] = None
+        self.async_engine: Optional[AsyncEngine] = None
+        self.ready = False  # loaded and warmed up
+        self.draining = False  # SIGTERM: no new work
+        self.load_error: Optional[str] = None
+        # Called with the message when the model cannot be loaded; __main__ stops the server.
+        self.on_load_failure: Callable[[str], None] = lambda message: None
+        self.created = int(time.time())
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load and warm up on a daemon thread (a SIGTERM mid-load need not wait for it), then serve."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[LLMEngine] = loop.create_future()
+
+        def load() -> None:
+            try:
+                engine = LLMEngine(self.config.engine)
+                _warm_up(engine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the event loop
+                loop.call_soon_threadsafe(_settle, done, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, done, engine, None)
+
+        threading.Thread(target=load, name="engine-load", daemon=True).start()
+        try:
+            engine = await done
+        except (ModelLoadError, ValueError) as exc:
+            self._fail(str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - an unexpected failure: keep the traceback in the log
+            logger.exception("loading the model failed")
+            self._fail(f"{type(exc).__name__}: {exc}")
+            return
+        async_engine = AsyncEngine(engine, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish)
+        self.metrics.bind(
+            engine.model_name,
+            num_running=lambda: engine.scheduler.num_running,
+            num_waiting=lambda: async_engine.num_waiting,
+            kv_usage=lambda: engine.kv.usage,
+            healthy=lambda: 1.0 if self.engine_alive else 0.0,
+        )
+        async_engine.start()
+        self.engine, self.async_engine = engine, async_engine
+        self.ready = True
+        logger.info("ready: serving %s (context %d tokens)", engine.model_name, engine.max_model_len)
+
+    def _fail(self, message: str) -> None:
+        self.load_error = message
+        logger.error("cannot load the model: %s", message)
+        self.on_load_failure(message)
+
+    def stop(self) -> None:
+        if self.async_engine is not None:
+            self.async_engine.stop()
+
+    @property
+    def engine_alive(self) -> bool:
+        return self.ready and self.async_engine is not None and self.async_engine.healthy
+
+    @property
+    def healthy(self) -> bool:
+        """What /health reports: alive and taking new work."""
+        return self.engine_alive and not self.draining
+
+    # --- what handlers use ------------------------------------------------------------------
+
+    def engines(self) -> tuple[LLMEngine, AsyncEngine]:
+        """The engine, or the 503 that says why there is none to use."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down", reject_reason="shutting_down")
+        if not self.ready or self.engine is None or self.async_engine is None:
+            raise APIError(503, "the model is still loading; retry when /health answers 200", headers={"Retry-After": "5"})
+        if not self.async_engine.healthy:
+            raise APIError(503, "the engine has stopped; this server must be restarted", code="engine_dead")
+        return self.engine, self.async_engine
+
+    def check_model(self, name: Optional[str]) -> None:
+        engine, _ = self.engines()
+        if name is not None and name != engine.model_name:
+            raise APIError(
+                404, f"the model '{name}' does not exist; this server serves '{engine.model_name}'",
+                param="model", code="model_not_found",
+            )
+
+    def submit(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int
+    ) -> AsyncIterator[CompletionDelta]:
+        _, async_engine = self.engines()
+        try:
+            return async_engine.add_request(request_id, prompt_ids, params, priority)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        except QueueFullError as exc:
+            raise APIError(
+                429, f"{exc}; retry later", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}
+            ) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
+
+    def abort(self, request_id: str) -> None:
+        if self.async_engine is not None:
+            self.async_engine.abort(request_id)
+
+
+def _settle(future: asyncio.Future, result: object, exc: Optional[BaseException]) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _warm_up(engine: LLMEngine) -> None:
+    """One tiny greedy generation, so the first real request does not pay for lazy initialisation."""
+    t0 = time.monotonic()
+    ids = engine.tokenizer.encode("Hello") or [0]
+    engine.add_request("warmup", ids, SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    logger.info("warm-up generation took %.2fs", time.monotonic() - t0)
