@@ -1,0 +1,88 @@
+"""A server of its own with a one-slot batch and a one-request queue: 429 when full, then SIGTERM's drain.
+
+The tests run in file order: the last one shuts the server down.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from .conftest import Server, start_server
+from .helpers import MODEL, metric, scrape, wait_for
+
+LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory):
+    srv = start_server(
+        "small",
+        tmp_path_factory.mktemp("small"),
+        "--kv-cache-gb", "0.1",
+        "--threads", "1",
+        "--max-model-len", "512",
+        "--max-num-seqs", "1",
+        "--max-queue", "1",
+        "--shutdown-timeout", "20",
+    )
+    yield srv
+    srv.stop()
+
+
+def first_event(lines) -> dict:  # noqa: ANN001
+    for line in lines:
+        if line.startswith("data: "):
+            return json.loads(line[6:])
+    raise AssertionError("stream ended without an event")
+
+
+def test_queue_full_is_429_with_retry_after(small: Server) -> None:
+    with httpx.Client(base_url=small.url, timeout=60) as a, httpx.Client(base_url=small.url, timeout=60) as b:
+        with a.stream("POST", "/v1/completions", json=LONG) as running:
+            lines = running.iter_lines()  # kept: dropping the iterator would close the connection
+            first_event(lines)  # running: it holds the only batch slot
+            with b.stream("POST", "/v1/completions", json=LONG) as waiting:
+                assert waiting.status_code == 200  # queued: it fills the one-request queue
+                wait_for(lambda: metric(scrape(small.url), "cpuserve:num_requests_waiting") == 1, 5, "a waiting request")
+                r = httpx.post(small.url + "/v1/completions", json={**LONG, "stream": False, "max_tokens": 1})
+                assert r.status_code == 429, r.text
+                assert int(r.headers["Retry-After"]) >= 1
+                assert r.json()["error"]["type"] and r.json()["error"]["code"] == "queue_full"
+    # both streams closed: the queue drains and the server serves again
+    wait_for(lambda: metric(scrape(small.url), "cpuserve:num_requests_running") == 0, 10, "the aborts")
+    r = httpx.post(small.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert metric(scrape(small.url), "cpuserve:requests_rejected_total", reason="queue_full") == 1
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(small: Server) -> None:
+    body = {**LONG, "max_tokens": 24, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=small.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            text = first_event(lines)["choices"][0]["text"]
+            small.signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            # new work is turned away: the port is closed, or a request that slips in gets 503
+            try:
+                refused = httpx.post(small.url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            except httpx.ConnectError:
+                pass
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    # the in-flight stream ran to its end
+    text += "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 24
+    assert text
+    small.proc.wait(timeout=30)
+    assert small.proc.returncode == 0, small.log_tail()
+    assert time.monotonic() - t0 < 25
+    log = small.log()
+    assert "Traceback" not in log
+    assert "draining" in log
