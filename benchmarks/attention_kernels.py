@@ -14,7 +14,6 @@ Prints one line per (case, ISA): time per call and speedup over ``ref``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from typing import Callable
@@ -26,19 +25,20 @@ from engine.attention.kernels import native, ops
 
 
 def _time(fn: Callable[[], None], min_time: float, max_iters: int = 2000) -> float:
-    """Median seconds per call over batches of calls lasting at least min_time / 5 each."""
+    """Seconds per call: the best of 7 batches (timeit's rule: slower batches measure other
+    processes and OpenMP threads that were descheduled, not the kernel)."""
     fn()
     t0 = time.perf_counter()
     fn()
     one = max(time.perf_counter() - t0, 1e-7)
-    per_batch = max(1, min(max_iters, int(min_time / 5 / one)))
-    samples = []
-    for _ in range(5):
+    per_batch = max(1, min(max_iters, int(min_time / 7 / one)))
+    best = float("inf")
+    for _ in range(7):
         t0 = time.perf_counter()
         for _ in range(per_batch):
             fn()
-        samples.append((time.perf_counter() - t0) / per_batch)
-    return statistics.median(samples)
+        best = min(best, (time.perf_counter() - t0) / per_batch)
+    return best
 
 
 def build_batch(

@@ -208,6 +208,24 @@ def test_reshape_and_cache_matches_ref(dtype, kv_cache_dtype):
     assert torch.equal(flat(got)[untouched], flat(init)[untouched])
 
 
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_write_bit_exact_on_random_bit_patterns(kv_cache_dtype, src_dtype):
+    """Every float class (random bit patterns: denormals, NaN, inf, huge) converts exactly as torch's .to()."""
+    isa = sorted(NATIVE)[0]
+    g = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 17,), generator=g, dtype=torch.int64).to(torch.int32)
+    ramp = torch.linspace(-600, 600, 1 << 14)  # dense over both formats' finite ranges
+    tiny = torch.linspace(-(2.0**-5), 2.0**-5, 1 << 14)  # the denormal ranges
+    x = torch.cat([bits.view(torch.float32), ramp, tiny]).to(src_dtype).view(-1, 1, 64)
+    cache = torch.zeros(x.shape[0], 1, 1, 128, dtype=FP8[kv_cache_dtype])
+    expected = cache.clone()
+    slots = torch.arange(x.shape[0])
+    ops.reshape_and_cache("ref", x, x, expected, slots, kv_cache_dtype, 0.37, 1.0)
+    ops.reshape_and_cache(isa, x, x, cache, slots, kv_cache_dtype, 0.37, 1.0)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
 def test_backend_update_then_forward(kv_cache_dtype):
     """The backend as the layer drives it: write this step's K/V, then attend; native vs ref."""

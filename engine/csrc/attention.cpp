@@ -31,6 +31,14 @@
 #include "ops.h"
 
 // ------------------------------------------------------------------ AMX, real tiles
+// AMX intrinsics need GCC >= 11 (or clang >= 12); older compilers build without amx.
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define CPUSERVE_HAVE_AMX 1
+#else
+#define CPUSERVE_HAVE_AMX 0
+#endif
+
+#if CPUSERVE_HAVE_AMX
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
 namespace cpuserve_attn {
@@ -61,6 +69,7 @@ namespace amx {
 }  // namespace amx
 }  // namespace cpuserve_attn
 #pragma GCC pop_options
+#endif  // CPUSERVE_HAVE_AMX
 
 // ------------------------------------------------------------------ AMX, emulated tiles
 namespace cpuserve_attn {
@@ -183,7 +192,8 @@ Isa parse_isa(const std::string& name) {
     TORCH_CHECK(cpu_has_vec512(), "attention isa vec512 needs AVX-512 F/BW/VL/DQ + BF16");
   } else if (name == "amx") {
     isa = Isa::kAmx;
-    TORCH_CHECK(cpu_has_vec512() && cpu_has_amx(), "attention isa amx needs AMX-BF16 (and Linux permission for it)");
+    TORCH_CHECK(CPUSERVE_HAVE_AMX && cpu_has_vec512() && cpu_has_amx(),
+                "attention isa amx needs AMX-BF16 (and Linux permission for it) and a compiler with AMX intrinsics");
   } else if (name == "amx_emu") {
     isa = Isa::kAmxEmu;
     TORCH_CHECK(cpu_has_vec512(), "attention isa amx_emu needs AVX-512 BF16");
@@ -206,7 +216,9 @@ int amx_min_rows() {
 UnitFn unit_fn(Isa isa, bool bf16, int R) {
   switch (isa) {
     case Isa::kAmx:
+#if CPUSERVE_HAVE_AMX
       if (bf16 && R >= amx_min_rows()) return &run_unit<amx::Ops>;
+#endif
       break;
     case Isa::kAmxEmu:
       if (bf16) return &run_unit<amx_emu::Ops>;
@@ -418,7 +430,7 @@ std::vector<std::string> attention_isas() {
   if (cpu_has_vec512()) {
     out.push_back("vec512");
     out.push_back("amx_emu");
-    if (cpu_has_amx()) out.push_back("amx");
+    if (CPUSERVE_HAVE_AMX && cpu_has_amx()) out.push_back("amx");
   }
   return out;
 }

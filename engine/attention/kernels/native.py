@@ -7,6 +7,8 @@ ISAs (``engine/csrc/attention.cpp``):
   (fp32 accumulation) for bf16 models, fp32 FMAs for fp32 models.
 * ``amx``: AMX-BF16 tiles for Q K^T and P V (prefill tiles and decode GQA groups),
   bf16 models only; needs Sapphire Rapids or later and Linux's AMX permission.
+  Work units of fewer than 4 query rows (``CPUSERVE_ATTN_AMX_MIN_ROWS``; decode of a
+  3-head GQA group, say) take the vec512 path.
 
 All of them read fp8 (e4m3fn / e5m2) caches, dequantising on load.  The extension is
 built once (``python -m engine.native``); without it every call runs the ``ref`` kernels.
