@@ -6,7 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_has_amx", &cpu_has_amx, "AMX tiles usable by this process");
   // ---- qlinear.cpp ----
   m.def("qlinear_forward", &qlinear_forward, "packed GGUF-block matmul", py::arg("x"), py::arg("packed"),
-        py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(), py::arg("isa") = -1);
+        py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(), py::arg("isa") = -1,
+        py::arg("act_bits") = 16);
   m.def("qlinear_isas", &qlinear_isas, "qlinear instruction-set paths usable on this CPU");
   m.def("qlinear_best_isa", &qlinear_best_isa, "the qlinear path used by default");
   // ---- end qlinear.cpp ----

@@ -54,7 +54,11 @@ struct Problem {
   int64_t groups;
   int gbytes;   // bytes of one group-block
   int m;        // activation rows
-  // quantized activations: xq [m][k] int8; per block: xd scale, xs = xd * sum(q), xsum = sum(q)
+  // Quantized activations, per row `ldq` bytes: each 32-block is `digits` planes of 32 int8
+  // (1: q; 2: the high and low base-128 digits a, b of a 15-bit q = 128 a + b).  Per block:
+  // xd scale (x ~ xd * q), xs = xd * sum(q), xsum = sum(q).
+  int digits;
+  int64_t ldq;
   const int8_t* xq;
   const float* xd;
   const float* xs;
@@ -67,12 +71,17 @@ struct Problem {
   bool bias_bf16;
 };
 
-// Activation row quantization, identical arithmetic on every path: d = amax / 127,
-// q = nearbyint(x * (1 / d)) (ties to even, the SIMD conversion's rounding).
+// Activation row quantization, identical arithmetic on every path: d = amax / qmax,
+// q = nearbyint(x * (1 / d)) (ties to even, the SIMD conversion's rounding).  One digit: qmax = 127,
+// q is the int8.  Two digits: qmax = 127 * 128, q = 128 a + b with a = nearbyint(q / 128) in
+// [-127, 127] and b in [-64, 64], both int8 planes; error 1/32512 of the block's amax (vs 1/254).
+constexpr float kQmax8 = 127.f, kQmax16 = 127.f * 128.f;
+
 struct QuantRow {
   const void* x;
   bool bf16;
   int64_t k;
+  int digits;
   int8_t* q;
   float* d;
   float* s;
@@ -89,12 +98,19 @@ void quantize_row_scalar(const QuantRow& r) {
     }
     float amax = 0.f;
     for (float f : v) amax = std::max(amax, std::fabs(f));
-    const float d = amax / 127.f;
+    const float d = amax / (r.digits == 2 ? kQmax16 : kQmax8);
     const float id = d != 0.f ? 1.f / d : 0.f;
     int32_t sum = 0;
+    int8_t* qb = r.q + static_cast<int64_t>(b) * kBlock * r.digits;
     for (int i = 0; i < kBlock; ++i) {
       const int q = static_cast<int>(std::nearbyint(v[i] * id));
-      r.q[b * kBlock + i] = static_cast<int8_t>(q);
+      if (r.digits == 2) {
+        const int hi = static_cast<int>(std::nearbyint(static_cast<float>(q) * (1.f / 128.f)));
+        qb[i] = static_cast<int8_t>(hi);
+        qb[kBlock + i] = static_cast<int8_t>(q - 128 * hi);
+      } else {
+        qb[i] = static_cast<int8_t>(q);
+      }
       sum += q;
     }
     r.d[b] = d;
@@ -105,29 +121,39 @@ void quantize_row_scalar(const QuantRow& r) {
 
 // ---------------------------------------------------------------- scalar path (portable reference)
 
+// Integer dot of one row's 32 weight quants (packed group-block `gb`, row r) with 32 int8 x.
+inline int32_t dot_scalar(const uint8_t* gb, int qtype, int r, const int8_t* xb) {
+  int32_t dot = 0;
+  if (qtype == kQ8_0) {
+    for (int c = 0; c < 8; ++c)
+      for (int j = 0; j < 4; ++j) dot += (static_cast<int>(gb[c * 64 + r * 4 + j]) - 128) * xb[c * 4 + j];
+  } else {
+    for (int c = 0; c < 4; ++c)
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t byte = gb[c * 64 + r * 4 + j];
+        dot += (byte & 15) * xb[c * 4 + j] + (byte >> 4) * xb[16 + c * 4 + j];
+      }
+  }
+  return dot;
+}
+
 void group_scalar(const Problem& p, int64_t g) {
   const int rows_valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(p.gbytes);
   for (int t = 0; t < p.m; ++t) {
-    const int8_t* xq = p.xq + static_cast<int64_t>(t) * p.k;
+    const int8_t* xq = p.xq + static_cast<int64_t>(t) * p.ldq;
     float acc[kGroupRows] = {0};
     for (int b = 0; b < p.nb; ++b) {
       const uint8_t* gb = wg + static_cast<int64_t>(b) * p.gbytes;
-      const int8_t* xb = xq + b * kBlock;
+      const int8_t* xb = xq + b * kBlock * p.digits;
       const float xd = p.xd[t * p.nb + b], xs = p.xs[t * p.nb + b];
       for (int r = 0; r < kGroupRows; ++r) {
-        int32_t dot = 0;
+        int32_t dot = dot_scalar(gb, p.qtype, r, xb);
+        if (p.digits == 2) dot = 128 * dot + dot_scalar(gb, p.qtype, r, xb + kBlock);
         if (p.qtype == kQ8_0) {
-          for (int c = 0; c < 8; ++c)
-            for (int j = 0; j < 4; ++j) dot += (static_cast<int>(gb[c * 64 + r * 4 + j]) - 128) * xb[c * 4 + j];
           const float d = half_to_float(reinterpret_cast<const uint16_t*>(gb + 512)[r]);
           acc[r] += static_cast<float>(dot) * (d * xd);
         } else {
-          for (int c = 0; c < 4; ++c)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t byte = gb[c * 64 + r * 4 + j];
-              dot += (byte & 15) * xb[c * 4 + j] + (byte >> 4) * xb[16 + c * 4 + j];
-            }
           const float d = half_to_float(reinterpret_cast<const uint16_t*>(gb + 256)[r]);
           const float m = p.qtype == kQ4_1 ? half_to_float(reinterpret_cast<const uint16_t*>(gb + 288)[r]) : -8.f * d;
           acc[r] += static_cast<float>(dot) * (d * xd);
@@ -163,17 +189,31 @@ QL_AVX512 inline __m512 load_x16_avx512(const void* x, bool bf16, int64_t i) {
 QL_AVX512 void quantize_row_avx512(const QuantRow& r) {
   const int nb = static_cast<int>(r.k / kBlock);
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const float qmax = r.digits == 2 ? kQmax16 : kQmax8;
   for (int b = 0; b < nb; ++b) {
     const __m512 v0 = load_x16_avx512(r.x, r.bf16, static_cast<int64_t>(b) * kBlock);
     const __m512 v1 = load_x16_avx512(r.x, r.bf16, static_cast<int64_t>(b) * kBlock + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
-    const float d = amax / 127.f;
+    const float d = amax / qmax;
     const float id = d != 0.f ? 1.f / d : 0.f;
     const __m512 vid = _mm512_set1_ps(id);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));  // MXCSR default: nearest even
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q + b * kBlock), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+    int8_t* qb = r.q + static_cast<int64_t>(b) * kBlock * r.digits;
+    if (r.digits == 2) {
+      const __m512 inv128 = _mm512_set1_ps(1.f / 128.f);
+      const __m512i h0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), inv128));
+      const __m512i h1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(q1), inv128));
+      const __m512i l0 = _mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 7));
+      const __m512i l1 = _mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 7));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(h0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(h1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 32), _mm512_cvtepi32_epi8(l0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 48), _mm512_cvtepi32_epi8(l1));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
+    }
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     r.d[b] = d;
     r.sum[b] = sum;
@@ -204,8 +244,27 @@ QL_AVX512 inline void store16_avx512(const Problem& p, int t, int64_t col, int v
   }
 }
 
+// Integer dots of the 16 rows (lanes) with one 32-byte int8 x block, from preloaded weight vectors.
+template <int QT>
+QL_AVX512 inline __m512i dot16_avx512(const __m512i* w, const int8_t* xb) {
+  const int32_t* xw = reinterpret_cast<const int32_t*>(xb);
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  if (QT == kQ8_0) {
+    for (int c = 0; c < 8; c += 2) {
+      s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(xw[c]));
+      s1 = _mm512_dpbusd_epi32(s1, w[c + 1], _mm512_set1_epi32(xw[c + 1]));
+    }
+  } else {  // w[0..3]: low nibbles (x 0..15), w[4..7]: high nibbles (x 16..31)
+    for (int c = 0; c < 4; ++c) {
+      s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(xw[c]));
+      s1 = _mm512_dpbusd_epi32(s1, w[4 + c], _mm512_set1_epi32(xw[4 + c]));
+    }
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+
 // MT activation rows against one 16-row group.
-template <int QT, int MT>
+template <int QT, int MT, int DIGITS>
 QL_AVX512 void group_avx512(const Problem& p, int64_t g, int t0) {
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(p.gbytes);
   const int nb = p.nb;
@@ -214,69 +273,63 @@ QL_AVX512 void group_avx512(const Problem& p, int64_t g, int t0) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   for (int b = 0; b < nb; ++b) {
     const uint8_t* gb = wg + static_cast<int64_t>(b) * p.gbytes;
+    __m512i w[8];
+    __m512 dv, mv = _mm512_setzero_ps();
     if (QT == kQ8_0) {
-      __m512i w[8];
       for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(gb + c * 64);
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 512)));
-      for (int t = 0; t < MT; ++t) {
-        const int64_t row = t0 + t;
-        const int32_t* xw = reinterpret_cast<const int32_t*>(p.xq + row * p.k + b * kBlock);
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int c = 0; c < 8; c += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(xw[c]));
-          s1 = _mm512_dpbusd_epi32(s1, w[c + 1], _mm512_set1_epi32(xw[c + 1]));
-        }
-        // weights are q + 128: remove 128 * sum(x_q)
-        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * p.xsum[row * nb + b]));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(p.xd[row * nb + b])), acc[t]);
-      }
+      dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 512)));
     } else {
-      __m512i lo[4], hi[4];
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(gb + c * 64);
-        lo[c] = _mm512_and_si512(v, low4);
-        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        w[c] = _mm512_and_si512(v, low4);
+        w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 256)));
-      const __m512 mv = QT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 288)))
-                                    : _mm512_mul_ps(dv, _mm512_set1_ps(-8.f));
-      for (int t = 0; t < MT; ++t) {
-        const int64_t row = t0 + t;
-        const int32_t* xw = reinterpret_cast<const int32_t*>(p.xq + row * p.k + b * kBlock);
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int c = 0; c < 4; ++c) {
-          s0 = _mm512_dpbusd_epi32(s0, lo[c], _mm512_set1_epi32(xw[c]));
-          s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(xw[4 + c]));
-        }
-        const __m512i s = _mm512_add_epi32(s0, s1);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(p.xd[row * nb + b])), acc[t]);
-        acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(p.xs[row * nb + b]), acc[t]);
-      }
+      dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 256)));
+      mv = QT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 288)))
+                       : _mm512_mul_ps(dv, _mm512_set1_ps(-8.f));
+    }
+    for (int t = 0; t < MT; ++t) {
+      const int64_t row = t0 + t;
+      const int8_t* xb = p.xq + row * p.ldq + b * kBlock * DIGITS;
+      __m512i s = dot16_avx512<QT>(w, xb);
+      if (DIGITS == 2) s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), dot16_avx512<QT>(w, xb + kBlock));
+      // Q8_0 weights are q + 128: remove 128 * sum(x_q)
+      if (QT == kQ8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * p.xsum[row * nb + b]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(p.xd[row * nb + b])), acc[t]);
+      if (QT != kQ8_0) acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(p.xs[row * nb + b]), acc[t]);
     }
   }
   const int valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
   for (int t = 0; t < MT; ++t) store16_avx512(p, t0 + t, g * kGroupRows, valid, acc[t]);
 }
 
-template <int QT>
+template <int QT, int DIGITS>
 QL_AVX512 void group_rows_avx512(const Problem& p, int64_t g) {
   constexpr int kTile = 4;
   int t = 0;
-  for (; t + kTile <= p.m; t += kTile) group_avx512<QT, kTile>(p, g, t);
+  for (; t + kTile <= p.m; t += kTile) group_avx512<QT, kTile, DIGITS>(p, g, t);
   switch (p.m - t) {
-    case 3: group_avx512<QT, 3>(p, g, t); break;
-    case 2: group_avx512<QT, 2>(p, g, t); break;
-    case 1: group_avx512<QT, 1>(p, g, t); break;
+    case 3: group_avx512<QT, 3, DIGITS>(p, g, t); break;
+    case 2: group_avx512<QT, 2, DIGITS>(p, g, t); break;
+    case 1: group_avx512<QT, 1, DIGITS>(p, g, t); break;
     default: break;
   }
 }
 
-QL_AVX512 void group_avx512_dispatch(const Problem& p, int64_t g) {
+template <int DIGITS>
+QL_AVX512 void group_avx512_qtype(const Problem& p, int64_t g) {
   switch (p.qtype) {
-    case kQ4_0: group_rows_avx512<kQ4_0>(p, g); break;
-    case kQ4_1: group_rows_avx512<kQ4_1>(p, g); break;
-    default: group_rows_avx512<kQ8_0>(p, g); break;
+    case kQ4_0: group_rows_avx512<kQ4_0, DIGITS>(p, g); break;
+    case kQ4_1: group_rows_avx512<kQ4_1, DIGITS>(p, g); break;
+    default: group_rows_avx512<kQ8_0, DIGITS>(p, g); break;
   }
+}
+
+QL_AVX512 void group_avx512_dispatch(const Problem& p, int64_t g) {
+  if (p.digits == 2)
+    group_avx512_qtype<2>(p, g);
+  else
+    group_avx512_qtype<1>(p, g);
 }
 
 // ---------------------------------------------------------------- AVX2 paths (with and without AVX-VNNI)
@@ -310,9 +363,18 @@ QL_AVX2 inline int32_t hsum8i(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// int32 -> int8 of 32 values keeping order (packs interleave 128-bit lanes; a permute fixes that)
+QL_AVX2 inline void store_q32_avx2(int8_t* dst, const __m256i* q) {
+  const __m256i w01 = _mm256_packs_epi32(q[0], q[1]);
+  const __m256i w23 = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
+}
+
 QL_AVX2 void quantize_row_avx2(const QuantRow& r) {
   const int nb = static_cast<int>(r.k / kBlock);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const float qmax = r.digits == 2 ? kQmax16 : kQmax8;
   for (int b = 0; b < nb; ++b) {
     __m256 v[4];
     __m256 mx = _mm256_setzero_ps();
@@ -320,7 +382,7 @@ QL_AVX2 void quantize_row_avx2(const QuantRow& r) {
       v[i] = load_x8_avx2(r.x, r.bf16, static_cast<int64_t>(b) * kBlock + 8 * i);
       mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
     }
-    const float d = hmax8(mx) / 127.f;
+    const float d = hmax8(mx) / qmax;
     const float id = d != 0.f ? 1.f / d : 0.f;
     const __m256 vid = _mm256_set1_ps(id);
     __m256i q[4];
@@ -329,12 +391,18 @@ QL_AVX2 void quantize_row_avx2(const QuantRow& r) {
       q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
       sum = _mm256_add_epi32(sum, q[i]);
     }
-    // int32 -> int8 keeping order: packs interleave 128-bit lanes, fix with a permute
-    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]);
-    const __m256i w23 = _mm256_packs_epi32(q[2], q[3]);
-    __m256i bytes = _mm256_packs_epi16(w01, w23);
-    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q + b * kBlock), bytes);
+    int8_t* qb = r.q + static_cast<int64_t>(b) * kBlock * r.digits;
+    if (r.digits == 2) {
+      __m256i hi[4], lo[4];
+      for (int i = 0; i < 4; ++i) {
+        hi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(1.f / 128.f)));
+        lo[i] = _mm256_sub_epi32(q[i], _mm256_slli_epi32(hi[i], 7));
+      }
+      store_q32_avx2(qb, hi);
+      store_q32_avx2(qb + kBlock, lo);
+    } else {
+      store_q32_avx2(qb, q);
+    }
     const int32_t s = hsum8i(sum);
     r.d[b] = d;
     r.sum[b] = s;
@@ -406,6 +474,8 @@ int best_isa() {
 // Below this many weight bytes (times activation rows) one thread does the whole product: waking
 // the second costs more than it saves.
 constexpr int64_t kParallelMinBytes = 96 * 1024;
+// Activation elements from which their quantization is worth its own parallel loop.
+constexpr int64_t kParallelQuantElems = 32 * 1024;
 
 struct Scratch {
   std::vector<int8_t> q;
@@ -428,7 +498,10 @@ std::vector<int64_t> qlinear_isas() {
 int64_t qlinear_best_isa() { return best_isa(); }
 
 torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n,
-                              int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa) {
+                              int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
+                              int64_t act_bits) {
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "qlinear: act_bits must be 8 or 16");
+  const int digits = act_bits == 16 ? 2 : 1;
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear: unsupported qtype ", qtype);
   TORCH_CHECK(k % kBlock == 0, "qlinear: in_features must be a multiple of 32");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "qlinear: x must be [M, ", k, "]");
@@ -456,7 +529,7 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
   const int nb = static_cast<int>(k / kBlock);
   static thread_local Scratch tls_scratch;
   Scratch& scratch = tls_scratch;  // the caller's buffers, also inside the parallel region
-  if (scratch.q.size() < static_cast<size_t>(m * k)) scratch.q.resize(m * k);
+  if (scratch.q.size() < static_cast<size_t>(m * k * digits)) scratch.q.resize(m * k * digits);
   if (scratch.d.size() < static_cast<size_t>(m * nb)) {
     scratch.d.resize(m * nb);
     scratch.s.resize(m * nb);
@@ -472,6 +545,8 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
   p.groups = groups;
   p.gbytes = gbytes;
   p.m = static_cast<int>(m);
+  p.digits = digits;
+  p.ldq = k * digits;
   p.xq = scratch.q.data();
   p.xd = scratch.d.data();
   p.xs = scratch.s.data();
@@ -485,7 +560,7 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
   const char* xbase = static_cast<const char*>(xc.data_ptr());
   const int64_t xrow_bytes = xc.stride(0) * xc.element_size();
   auto quant_row = [&](int64_t r) {
-    QuantRow qr{xbase + r * xrow_bytes, bf16, k, scratch.q.data() + r * k, scratch.d.data() + r * nb,
+    QuantRow qr{xbase + r * xrow_bytes, bf16, k, digits, scratch.q.data() + r * k * digits, scratch.d.data() + r * nb,
                 scratch.s.data() + r * nb, scratch.sum.data() + r * nb};
     if (isa == kAvx512Vnni)
       quantize_row_avx512(qr);
@@ -503,19 +578,26 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
     }
   };
 
+  // Activation rows are quantized up front (a few microseconds at decode sizes) so the parallel
+  // region has no barrier inside: under CPU contention every extra sync point can cost a time slice.
   const int64_t work = packed.numel() * m;
-  const int threads = std::min<int64_t>(omp_get_max_threads(), groups);
-  if (work < kParallelMinBytes || threads <= 1 || omp_in_parallel()) {
+  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), groups));
+  const bool parallel = work >= kParallelMinBytes && threads > 1 && !omp_in_parallel();
+  if (parallel && m * k >= kParallelQuantElems) {
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < m; ++r) quant_row(r);
+  } else {
+    for (int64_t r = 0; r < m; ++r) quant_row(r);
+  }
+  if (!parallel) {
     for (int64_t g = 0; g < groups; ++g) group(g);
     return out;
   }
 #pragma omp parallel num_threads(threads)
   {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; ++r) quant_row(r);
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) group(g);
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+    for (int64_t g = g0; g < g1; ++g) group(g);
   }
   return out;
 }

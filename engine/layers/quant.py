@@ -46,6 +46,11 @@ ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
 # overrides it; 0 disables the packed path.
 DEFAULT_MAX_ROWS = 32
 
+# Activation precision inside the kernel: 16 = each 32-block rounded to 15 bits (two int8 digits,
+# twice the integer dot products; error ~3e-5 of the block max, below bf16's own rounding), 8 =
+# llama.cpp's int8 (error ~4e-3 of the block max).  CPUSERVE_PACKED_ACT_BITS overrides.
+DEFAULT_ACT_BITS = 16
+
 
 def _native() -> Optional[Any]:
     from engine import native
@@ -81,7 +86,14 @@ class PackedWeight:
     never attaches a packed weight in that case, see :func:`attach_packed`).
     """
 
-    def __init__(self, data: torch.Tensor, qtype: str, shape: tuple[int, int], isa: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        data: torch.Tensor,
+        qtype: str,
+        shape: tuple[int, int],
+        isa: Optional[str] = None,
+        act_bits: Optional[int] = None,
+    ) -> None:
         n, k = shape
         groups = -(-n // GROUP_ROWS)
         expected = groups * (k // BLOCK) * GROUP_BLOCK_BYTES[qtype]
@@ -93,6 +105,9 @@ class PackedWeight:
         self.shape = (int(n), int(k))
         self.isa = isa
         self._isa_id = isa_id(isa)
+        self.act_bits = default_act_bits() if act_bits is None else int(act_bits)
+        if self.act_bits not in (8, 16):
+            raise ValueError(f"act_bits must be 8 or 16, got {act_bits}")
         self._op = None
 
     @property
@@ -107,9 +122,9 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def with_isa(self, isa: Optional[str]) -> "PackedWeight":
-        """The same packed data, pinned to another instruction-set path."""
-        return PackedWeight(self.data, self.qtype, self.shape, isa)
+    def with_isa(self, isa: Optional[str], act_bits: Optional[int] = None) -> "PackedWeight":
+        """The same packed data, pinned to another instruction-set path (and activation precision)."""
+        return PackedWeight(self.data, self.qtype, self.shape, isa, self.act_bits if act_bits is None else act_bits)
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         op = self._op
@@ -126,8 +141,8 @@ class PackedWeight:
             return y.to(x.dtype)
         if x.dtype not in (torch.bfloat16, torch.float32):
             return op(x.float(), self.data, self.qtype_id, self.shape[0], self.shape[1],
-                      None if bias is None else bias.float(), self._isa_id).to(x.dtype)
-        return op(x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id)
+                      None if bias is None else bias.float(), self._isa_id, self.act_bits).to(x.dtype)
+        return op(x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id, self.act_bits)
 
     def to_gguf_blocks(self) -> torch.Tensor:
         """The raw GGUF blocks, uint8 [out_features, bytes_per_row] (inverse of the packing)."""
@@ -138,7 +153,10 @@ class PackedWeight:
         return dequantize_blocks(self.to_gguf_blocks(), self.qtype, self.shape)
 
     def __repr__(self) -> str:
-        return f"PackedWeight({self.qtype}, shape={self.shape}, {self.nbytes / 2**20:.2f} MiB, isa={self.isa or 'best'})"
+        return (
+            f"PackedWeight({self.qtype}, shape={self.shape}, {self.nbytes / 2**20:.2f} MiB, "
+            f"isa={self.isa or 'best'}, act_bits={self.act_bits})"
+        )
 
 
 # ---------------------------------------------------------------- layout
@@ -213,7 +231,9 @@ def dequantize_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> 
 # ---------------------------------------------------------------- constructors
 
 
-def pack_gguf(tensors: Sequence["GGUFTensor"], isa: Optional[str] = None) -> Optional[PackedWeight]:
+def pack_gguf(
+    tensors: Sequence["GGUFTensor"], isa: Optional[str] = None, act_bits: Optional[int] = None
+) -> Optional[PackedWeight]:
     """Pack the row-concatenation of GGUF tensors (e.g. q, k, v -> qkv_proj), or None when there is
     no kernel for them: a qtype other than Q4_0/Q4_1/Q8_0, mixed qtypes or widths, K not a
     multiple of 32, or no native extension."""
@@ -227,7 +247,7 @@ def pack_gguf(tensors: Sequence["GGUFTensor"], isa: Optional[str] = None) -> Opt
         return None
     n = sum(int(t.shape[0]) for t in tensors)
     raw = tensors[0].data if len(tensors) == 1 else torch.cat([t.data for t in tensors], dim=0)
-    return PackedWeight(pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa)
+    return PackedWeight(pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, act_bits)
 
 
 def quantize_q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
@@ -250,10 +270,10 @@ def quantize_q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
     return out.reshape(n, -1)
 
 
-def quantize_q8_0(w: torch.Tensor, isa: Optional[str] = None) -> PackedWeight:
+def quantize_q8_0(w: torch.Tensor, isa: Optional[str] = None, act_bits: Optional[int] = None) -> PackedWeight:
     """Q8_0-quantize a dense weight [N, K] (opt-in, lossy: ~0.4% relative error per weight)."""
     n, k = w.shape
-    return PackedWeight(pack_blocks(quantize_q8_0_blocks(w), "Q8_0", (n, k)), "Q8_0", (int(n), int(k)), isa)
+    return PackedWeight(pack_blocks(quantize_q8_0_blocks(w), "Q8_0", (n, k)), "Q8_0", (int(n), int(k)), isa, act_bits)
 
 
 # ---------------------------------------------------------------- wiring into the model
@@ -265,6 +285,11 @@ def default_max_rows() -> int:
     if env:
         return max(0, int(env))
     return DEFAULT_MAX_ROWS
+
+
+def default_act_bits() -> int:
+    env = os.environ.get("CPUSERVE_PACKED_ACT_BITS")
+    return int(env) if env else DEFAULT_ACT_BITS
 
 
 def attach_packed(linear: "Linear", packed: Optional[PackedWeight], max_rows: Optional[int] = None) -> bool:
