@@ -288,3 +288,91 @@ def test_real_lm_head_full(smollm2_reader):
     x = torch.randn(2, 576)
     check_output(pw(x), x, w)
     check_output(pw.with_isa(None, 8)(x), x, w, bits=8)
+
+
+# ---------------------------------------------------------------- wiring into the Llama model
+
+
+def _tiny_llama(dtype=torch.float32):
+    from engine.config import CacheConfig, ModelConfig
+    from engine.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=128, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg, CacheConfig(), dtype, 128)
+    torch.manual_seed(0)
+    for p in model.parameters():
+        p.data.normal_(0, 0.05)
+    return model
+
+
+def test_attach_quantizes_dense_models_on_request():
+    from engine.layers.linear import Linear
+
+    model = _tiny_llama()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert Q.attach_gguf_weights(model, {})["dense"] == len(linears)  # nothing to pack, not opted in
+    assert all(m.packed is None for m in linears)
+    stats = Q.attach_gguf_weights(model, {}, max_rows=4, quantize_dense=True)
+    assert stats["quantized"] == len(linears) == 2 * 4 + 1 and stats["packed"] == 0
+    for m in linears:
+        assert m.packed.qtype == "Q8_0" and m.packed_max_rows == 4
+        x = torch.randn(3, m.in_features)
+        check_output(m(x), x, m.packed.dequantize())
+        # Q8_0 of the dense weight stays close to it
+        assert (m.packed.dequantize() - m.weight.float()).abs().max() <= m.weight.abs().max() / 127
+
+
+def test_attach_packs_gguf_blocks_of_merged_layers():
+    """qkv_proj <- q, k, v blocks; gate_up_proj <- gate, up; the tied LM head <- the token embedding."""
+    model = _tiny_llama()
+    h, inter, vocab = 64, 96, 256
+    shapes = {"self_attn.q_proj": (64, h), "self_attn.k_proj": (32, h), "self_attn.v_proj": (32, h),
+              "self_attn.o_proj": (h, 64), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter)}
+    tensors, dense = {}, {}
+    seed = 0
+    for i in range(2):
+        for name, (n, k) in shapes.items():
+            seed += 1
+            key = f"model.layers.{i}.{name}.weight"
+            tensors[key] = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", n, k, seed=seed), (n, k))
+            dense[key] = gguf_dequantize(tensors[key].data, "Q4_1", (n, k))
+    tensors["model.embed_tokens.weight"] = FakeGGUFTensor("Q8_0", random_blocks("Q8_0", vocab, h, seed=99), (vocab, h))
+    dense["model.embed_tokens.weight"] = gguf_dequantize(tensors["model.embed_tokens.weight"].data, "Q8_0", (vocab, h))
+    stats = Q.attach_gguf_weights(model, tensors, max_rows=16)
+    assert stats["packed"] == 2 * 4 + 1 and stats["dense"] == 0
+    assert stats["bytes"] == sum(t.data.numel() for t in tensors.values())
+    layer = model.layers[1]
+    cases = [
+        (layer.self_attn.qkv_proj, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+        (layer.mlp.gate_up_proj, ["mlp.gate_proj", "mlp.up_proj"]),
+        (layer.mlp.down_proj, ["mlp.down_proj"]),
+    ]
+    for lin, parts in cases:
+        w = torch.cat([dense[f"model.layers.1.{p}.weight"] for p in parts])
+        x = torch.randn(2, lin.in_features)
+        check_output(lin(x), x, w)
+    x = torch.randn(1, h)
+    check_output(model.lm_head(x), x, dense["model.embed_tokens.weight"])
+
+
+def test_attach_default_model(smollm2_reader):
+    """The real SmolLM2 GGUF through the loader: every linear packed, ~92 MiB, close to the dense path."""
+    from engine.config import CacheConfig
+    from engine.loader import load_model
+    from engine.models.llama import LlamaForCausalLM
+
+    lm = load_model("default", torch.bfloat16)
+    model = LlamaForCausalLM(lm.config, CacheConfig(), torch.bfloat16, 256)
+    model.load_weights(lm.weights)
+    stats = Q.attach_gguf_weights(model, lm.gguf_tensors)
+    assert stats["packed"] == 30 * 4 + 1 and stats["dense"] == 0 and stats["quantized"] == 0
+    assert 85 << 20 < stats["bytes"] < 100 << 20
+    for lin in (model.layers[3].self_attn.qkv_proj, model.layers[3].mlp.gate_up_proj, model.lm_head):
+        w = lin.packed.dequantize()
+        assert torch.equal(w.to(torch.bfloat16), lin.weight)  # same rows, same order as the dense path
+        x = torch.randn(2, lin.in_features).to(torch.bfloat16)
+        check_output(lin(x), x, w)
