@@ -130,11 +130,11 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001
         if not self.state.draining:
-            self.state.draining = True
             logger.info(
                 "received %s: refusing new requests, draining in-flight ones for up to %gs",
                 signal.Signals(sig).name, self.state.config.shutdown_timeout,
             )
+            self.state.drain()
         super().handle_exit(sig, frame)
 
 
@@ -164,7 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             log_config=None,  # keep the logging set up above
             log_level=config.log_level,
             access_log=config.log_level == "debug",  # the service logs one line per finished request itself
-            timeout_graceful_shutdown=config.shutdown_timeout,
+            # a backstop only: the drain ends unfinished requests itself at --shutdown-timeout
+            timeout_graceful_shutdown=config.shutdown_timeout + 5,
             lifespan="on",
         ),
         state,

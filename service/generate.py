@@ -66,6 +66,8 @@ class Generation:
             for rid in self.engine_ids[: len(self.streams)]:
                 state.abort(rid)
             raise
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        state.generations.add(self)
         self.first_token_at: Optional[float] = None
         self.finish_reasons: Counter[str] = Counter()
         self.completion_tokens = 0
@@ -85,7 +87,7 @@ class Generation:
 
         Consume it under ``contextlib.aclosing`` so an early exit aborts the rest at once.
         """
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        queue = self._queue
         pumps = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(self.streams)]
         open_streams = len(pumps)
         outcome = "abort"
@@ -95,6 +97,8 @@ class Generation:
                 if item is _END:
                     open_streams -= 1
                     continue
+                if isinstance(item, APIError):  # cancel(): ended by the server, not the engine
+                    raise item
                 if isinstance(item, BaseException):
                     outcome = "error"
                     if isinstance(item, EngineDeadError):
@@ -107,6 +111,7 @@ class Generation:
                 yield i, item
             outcome = "done"
         finally:
+            self.state.generations.discard(self)
             for task in pumps:
                 task.cancel()
             if outcome != "done":
@@ -114,6 +119,10 @@ class Generation:
                     self.state.abort(rid)  # frees the KV blocks now, not when the pumps wind down
                 self.state.metrics.ended_early(outcome, self.num_choices - sum(self.finish_reasons.values()))
             self._log(outcome)
+
+    def cancel(self, error: APIError) -> None:
+        """End this request early: its consumer gets ``error`` and its sequences are aborted."""
+        self._queue.put_nowait((-1, error))
 
     def _observe(self, prompt_index: int, d: CompletionDelta) -> None:
         now = time.monotonic()

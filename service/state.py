@@ -12,7 +12,8 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator, Callable, Optional, Sequence
+import weakref
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Sequence
 
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from engine.engine import LLMEngine, RequestError
@@ -21,6 +22,9 @@ from engine.request import CompletionDelta, SamplingParams
 from service.config import ServiceConfig
 from service.errors import APIError
 from service.metrics import Metrics
+
+if TYPE_CHECKING:
+    from service.generate import Generation
 
 logger = logging.getLogger("service")
 
@@ -39,12 +43,14 @@ class ServerState:
         # Called with the message when the model cannot be loaded; __main__ stops the server.
         self.on_load_failure: Callable[[str], None] = lambda message: None
         self.created = int(time.time())
+        self.generations: "weakref.WeakSet[Generation]" = weakref.WeakSet()  # in flight, for the drain
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Load and warm up on a daemon thread (a SIGTERM mid-load need not wait for it), then serve."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         done: asyncio.Future[LLMEngine] = loop.create_future()
 
         def load() -> None:
@@ -83,6 +89,25 @@ class ServerState:
         self.load_error = message
         logger.error("cannot load the model: %s", message)
         self.on_load_failure(message)
+
+    def drain(self) -> None:
+        """Shutdown, step one (any thread): refuse new work; cut what still runs after the timeout.
+
+        Cut requests end cleanly (an error event then ``[DONE]``, or a 503), so uvicorn's own
+        graceful-shutdown timeout, set a little longer, never has to cancel a task.
+        """
+        if self.draining:
+            return
+        self.draining = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.config.shutdown_timeout, self._cut)
+
+    def _cut(self) -> None:
+        running = list(self.generations)
+        if running:
+            logger.warning("shutdown timeout: ending %d unfinished request(s)", len(running))
+        for gen in running:
+            gen.cancel(APIError(503, "the server shut down before this request finished", code="shutting_down"))
 
     def stop(self) -> None:
         if self.async_engine is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 
 import httpx
@@ -15,6 +16,7 @@ import pytest
 from .conftest import Server, start_server
 from .helpers import MODEL, metric, scrape, wait_for
 
+SHUTDOWN_TIMEOUT = 8
 LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
 
 
@@ -28,7 +30,7 @@ def small(tmp_path_factory: pytest.TempPathFactory):
         "--max-model-len", "512",
         "--max-num-seqs", "1",
         "--max-queue", "1",
-        "--shutdown-timeout", "20",
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
     )
     yield srv
     srv.stop()
@@ -61,28 +63,39 @@ def test_queue_full_is_429_with_retry_after(small: Server) -> None:
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(small: Server) -> None:
-    body = {**LONG, "max_tokens": 24, "stream_options": {"include_usage": True}}
-    with httpx.Client(base_url=small.url, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json=body) as r:
+    """SIGTERM: new work is refused, the running stream finishes, the one still queued at the
+    shutdown timeout ends with a clean error event, and the process exits 0."""
+    short = {**LONG, "max_tokens": 24, "stream_options": {"include_usage": True}}
+    long = {**LONG, "max_tokens": 500}
+    cut: list[str] = []
+    with httpx.Client(base_url=small.url, timeout=60) as a, httpx.Client(base_url=small.url, timeout=60) as b:
+        with a.stream("POST", "/v1/completions", json=short) as r:
             lines = r.iter_lines()
-            text = first_event(lines)["choices"][0]["text"]
-            small.signal(signal.SIGTERM)
-            t0 = time.monotonic()
-            # new work is turned away: the port is closed, or a request that slips in gets 503
-            try:
-                refused = httpx.post(small.url + "/v1/completions", json={**body, "stream": False}, timeout=10)
-                assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-            except httpx.ConnectError:
-                pass
-            events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
-    # the in-flight stream ran to its end
-    text += "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            first_event(lines)  # running, in the only batch slot
+            with b.stream("POST", "/v1/completions", json=long) as queued:
+                assert queued.status_code == 200
+                reader = threading.Thread(target=lambda: cut.extend(queued.iter_lines()))
+                reader.start()
+                small.signal(signal.SIGTERM)
+                t0 = time.monotonic()
+                # new work is turned away: the port is closed, or a request that slips in gets 503
+                try:
+                    refused = httpx.post(small.url + "/v1/completions", json={**short, "stream": False}, timeout=10)
+                    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+                except httpx.ConnectError:
+                    pass
+                events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+                reader.join(timeout=60)
+    # the running stream ran to its end
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 24
-    assert text
+    # the long one was cut at the shutdown timeout, cleanly
+    data = [line[6:] for line in cut if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"]["code"] == "shutting_down"
     small.proc.wait(timeout=30)
     assert small.proc.returncode == 0, small.log_tail()
-    assert time.monotonic() - t0 < 25
+    assert time.monotonic() - t0 < SHUTDOWN_TIMEOUT + 15
     log = small.log()
     assert "Traceback" not in log
-    assert "draining" in log
+    assert "draining" in log and "ending 1 unfinished request" in log
