@@ -7,7 +7,8 @@ twice in one process (tests) never collides.
 
 ``on_step`` / ``on_finish`` run on the engine thread; prometheus-client is thread-safe.  The
 running / waiting / KV-usage / health gauges are read live at scrape time, so they are right even
-when no step runs (an abort frees blocks between steps).
+when no step runs (an abort frees blocks between steps).  Until the model has loaded its name (the
+``model_name`` label) is unknown, so nothing is recorded before then, not even HTTP responses.
 """
 
 from __future__ import annotations
