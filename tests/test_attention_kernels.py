@@ -158,17 +158,32 @@ def test_amx_tile_code_emulated(gqa, kv_cache_dtype):
     assert_close(got, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("num_threads", [1, 2, 5])
 @pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
-def test_thread_counts_and_context_splits(isa, num_threads, threads):
+def test_thread_counts_and_context_splits(isa, num_threads, dtype, threads):
     """Few long requests are split across threads (flash decoding) and merged; the
     result must not depend on the thread count."""
     _need(isa)
+    if not native.supports(isa, dtype, 16, 64, "auto"):
+        pytest.skip(f"{isa} does not serve {dtype} models")
     threads(num_threads)
     for q_seq in ([(1, 2000)], [(1, 129), (1, 1000)], [(3, 900)], [(1, 7), (40, 40)]):
-        query, kv, meta = make_case(q_seq, 9, 3, 64, 16, torch.bfloat16, torch.bfloat16, seed=len(q_seq))
+        query, kv, meta = make_case(q_seq, 9, 3, 64, 16, dtype, dtype, seed=len(q_seq))
         got, expected = run_both(isa, query, kv, meta, 64, "auto", 1.0, 1.0)
         assert_close(got, expected)
+
+
+@pytest.mark.parametrize("block_size", [8, 48, 64])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
+def test_other_block_sizes(isa, block_size):
+    """Key tiles of 32 straddle or split blocks of any size."""
+    _need(isa)
+    if not native.supports(isa, torch.bfloat16, block_size, 64, "auto"):
+        pytest.skip(f"{isa} does not take block size {block_size}")
+    query, kv, meta = make_case(MIXED, 6, 2, 64, block_size, torch.bfloat16, torch.bfloat16, seed=block_size)
+    got, expected = run_both(isa, query, kv, meta, 64, "auto", 1.0, 1.0)
+    assert_close(got, expected)
 
 
 @pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
