@@ -32,6 +32,7 @@ _BLOCK_MULTIPLE = {"amx": 16, "vec512": 8, "vec256": 8}
 _MODEL_DTYPES = {"amx": (torch.bfloat16,), "vec512": (torch.bfloat16, torch.float32), "vec256": (torch.bfloat16, torch.float32)}
 
 
+@functools.lru_cache(maxsize=1)
 def _ext():
     from engine import native
 
