@@ -234,7 +234,8 @@ def test_default_max_rows_env(monkeypatch):
     monkeypatch.setenv("CPUSERVE_PACKED_MAX_ROWS", "5")
     assert Q.default_max_rows() == 5
     monkeypatch.delenv("CPUSERVE_PACKED_MAX_ROWS")
-    assert Q.default_max_rows() == Q.DEFAULT_MAX_ROWS
+    assert Q.default_max_rows() == Q.DEFAULT_MAX_ROWS == Q.default_max_rows("Q4_0", 16)
+    assert Q.default_max_rows("Q8_0", 16) <= Q.default_max_rows("Q4_1", 16) <= Q.default_max_rows("Q4_1", 8)
 
 
 # ---------------------------------------------------------------- the default model's real tensors

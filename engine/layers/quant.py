@@ -4,14 +4,20 @@ Decode reads every weight once per token, so its speed is bytes per token over m
 GGUF files already ship the linear weights as 4.5-8.5 bit blocks; keeping those blocks (instead of
 dequantizing to bf16, 16 bits) and multiplying them directly, as llama.cpp does, reads 2-3.5x
 fewer bytes and is exact with respect to the weights: the float reference model is the dequantized
-file.  The native kernel (``engine/csrc/qlinear.cpp``) quantizes each 32-block of the activation
-row to int8 (one float scale per block) and runs integer dot products (AVX-512 VNNI, AVX-VNNI,
-AVX2, scalar; picked at run time).  That activation rounding is the only approximation; its cost
-on the default model, measured by ``benchmarks/linear_kernels.py --accuracy``, is a few 1e-2 of a
-logit and no change of the greedy token over 64 decode steps (see that script's docstring).
+file.  The native kernel (``engine/csrc/qlinear.cpp``) rounds each 32-block of the activation row
+to integers with one float scale per block and runs integer dot products (AVX-512 VNNI, AVX-VNNI,
+AVX2, scalar; picked at run time).  That rounding is the only approximation:
+
+* ``act_bits=16`` (default): 15-bit integers as two int8 digits.  On the default model over 64
+  greedy decode steps the logits stay within 0.013 of the float32 reference (64/64 tokens agree);
+  a bf16 model's own rounding (0.85) dwarfs it.  Twice the integer work of int8, which costs
+  nothing at batch 1 (memory-bound) and up to ~1.5x at 16-32 rows.
+* ``act_bits=8``: llama.cpp's int8 activations: max logit error 1.44, 63/64 tokens agree.
+
+(``python -m benchmarks.linear_kernels --accuracy`` measures these.)
 
 Prefill batches are compute-bound and stay on the dense matmul: ``Linear`` sends only batches of
-at most ``packed_max_rows`` rows here (:func:`default_max_rows`).
+at most ``packed_max_rows`` rows here (:func:`default_max_rows`: 32 for Q4, 16 for Q8_0).
 
 Packed layout (built here with torch ops, described in ``engine/csrc/qlinear.h``): groups of 16
 output rows, each a sequential run of "group-blocks" whose quants are interleaved in 4-byte words
@@ -40,11 +46,14 @@ GROUP_ROWS = 16
 GROUP_BLOCK_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
 
-# Largest batch that goes to the packed kernel (measured on a 2-core AVX-512 VNNI host with
-# benchmarks/linear_kernels.py: the packed kernel wins up to ~32 rows at the model's shapes and
-# loses from ~48, where the dense bf16 GEMM becomes compute-efficient).  CPUSERVE_PACKED_MAX_ROWS
-# overrides it; 0 disables the packed path.
-DEFAULT_MAX_ROWS = 32
+# Largest batch that goes to the packed kernel, by (qtype family, activation bits): where dense
+# bf16 ``F.linear`` (oneDNN GEMM) catches up, measured with benchmarks/linear_kernels.py on a
+# 2-core AVX-512 VNNI host at the default model's shapes.  Decode is memory-bound and the packed
+# kernel reads 3.2x (Q4) / 1.9x (Q8_0) fewer bytes; past a few dozen rows both are compute-bound,
+# the 15-bit activation mode does twice the integer dot products, and Q8_0 saves fewer bytes, so
+# its crossover comes first.  CPUSERVE_PACKED_MAX_ROWS overrides them all; 0 disables the path.
+MAX_ROWS = {("Q4", 16): 32, ("Q8", 16): 16, ("Q4", 8): 64, ("Q8", 8): 64}
+DEFAULT_MAX_ROWS = MAX_ROWS[("Q4", 16)]
 
 # Activation precision inside the kernel: 16 = each 32-block rounded to 15 bits (two int8 digits,
 # twice the integer dot products; error ~3e-5 of the block max, below bf16's own rounding), 8 =
@@ -279,12 +288,13 @@ def quantize_q8_0(w: torch.Tensor, isa: Optional[str] = None, act_bits: Optional
 # ---------------------------------------------------------------- wiring into the model
 
 
-def default_max_rows() -> int:
+def default_max_rows(qtype: str = "Q4_1", act_bits: Optional[int] = None) -> int:
     """Largest batch sent to the packed kernel (env CPUSERVE_PACKED_MAX_ROWS overrides)."""
     env = os.environ.get("CPUSERVE_PACKED_MAX_ROWS")
     if env:
         return max(0, int(env))
-    return DEFAULT_MAX_ROWS
+    bits = default_act_bits() if act_bits is None else act_bits
+    return MAX_ROWS[(qtype[:2], bits)]
 
 
 def default_act_bits() -> int:
@@ -302,7 +312,7 @@ def attach_packed(linear: "Linear", packed: Optional[PackedWeight], max_rows: Op
     if not native_available():
         return False
     linear.packed = packed
-    linear.packed_max_rows = default_max_rows() if max_rows is None else max_rows
+    linear.packed_max_rows = default_max_rows(packed.qtype, packed.act_bits) if max_rows is None else max_rows
     return True
 
 
