@@ -27,7 +27,7 @@ def small(tmp_path_factory: pytest.TempPathFactory):
         tmp_path_factory.mktemp("small"),
         "--kv-cache-gb", "0.1",
         "--threads", "1",
-        "--max-model-len", "512",
+        "--max-model-len", "4096",
         "--max-num-seqs", "1",
         "--max-queue", "1",
         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
@@ -66,7 +66,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(small: Server) -> None:
     """SIGTERM: new work is refused, the running stream finishes, the one still queued at the
     shutdown timeout ends with a clean error event, and the process exits 0."""
     short = {**LONG, "max_tokens": 24, "stream_options": {"include_usage": True}}
-    long = {**LONG, "max_tokens": 500}
+    long = {**LONG, "max_tokens": 4000}  # far more than SHUTDOWN_TIMEOUT seconds of decoding
     cut: list[str] = []
     with httpx.Client(base_url=small.url, timeout=60) as a, httpx.Client(base_url=small.url, timeout=60) as b:
         with a.stream("POST", "/v1/completions", json=short) as r:
