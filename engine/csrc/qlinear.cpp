@@ -471,8 +471,8 @@ int best_isa() {
   return best;
 }
 
-// Below this many weight bytes (times activation rows) one thread does the whole product: waking
-// the second costs more than it saves.
+// Weight bytes (times activation rows) per thread below which more threads cost more to wake than
+// they save: small products run on fewer threads, the smallest on the caller's alone.
 constexpr int64_t kParallelMinBytes = 96 * 1024;
 // Activation elements from which their quantization is worth its own parallel loop.
 constexpr int64_t kParallelQuantElems = 32 * 1024;
@@ -581,8 +581,11 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
   // Activation rows are quantized up front (a few microseconds at decode sizes) so the parallel
   // region has no barrier inside: under CPU contention every extra sync point can cost a time slice.
   const int64_t work = packed.numel() * m;
-  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), groups));
-  const bool parallel = work >= kParallelMinBytes && threads > 1 && !omp_in_parallel();
+  // One thread per kParallelMinBytes of work at most: on many-core hosts a small matrix is not
+  // worth waking every thread of the pool.
+  const int threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(omp_get_max_threads()), groups, work / kParallelMinBytes})));
+  const bool parallel = threads > 1 && !omp_in_parallel();
   if (parallel && m * k >= kParallelQuantElems) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < m; ++r) quant_row(r);
