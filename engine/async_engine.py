@@ -157,15 +157,22 @@ class AsyncEngine:
                     self.step_hook()
                 deltas, step_stats, finished = self.engine.step()
                 self._dispatch(deltas)
-                if step_stats is not None and self.on_step is not None:
-                    self.on_step(step_stats)
-                if self.on_finish is not None:
-                    for rs in finished:
-                        self.on_finish(rs)
+                self._report(step_stats, finished)
         except BaseException as exc:  # noqa: BLE001 - the loop is gone: tell every stream
             logger.exception("engine loop died")
             self.dead = exc
             self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
+
+    def _report(self, step_stats: Optional[StepStats], finished: list[RequestStats]) -> None:
+        """Hand stats to the callbacks; a broken metrics callback must not stop generation."""
+        try:
+            if step_stats is not None and self.on_step is not None:
+                self.on_step(step_stats)
+            if self.on_finish is not None:
+                for rs in finished:
+                    self.on_finish(rs)
+        except Exception:  # noqa: BLE001
+            logger.exception("stats callback failed")
 
     def _drain_commands(self) -> None:
         while True:

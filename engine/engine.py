@@ -30,7 +30,7 @@ from engine.request import (
     SamplingParams,
     SamplingParamsError,
 )
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import RequestStats, StepStats
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class LLMEngine:
         loaded = loaded or load_model(config.model, config.torch_dtype, progress=progress)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model_name = config.served_model_name or _default_name(loaded.source)
+        self.model_name = config.served_model_name or default_model_name(loaded.source)
         self.max_model_len = min(
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
@@ -72,6 +72,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.text_states: dict[str, RequestTextState] = {}
         self._arrival_seq = itertools.count()
+        # Test-only fault injection: called with each step's SchedulerOutput before the model runs.
+        self.fault_hook: Optional[Callable[[SchedulerOutput], None]] = None
         self.load_time_s = time.monotonic() - t0
         logger.info(
             "engine ready in %.1fs: %s, %d layers, dtype %s, KV cache %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
@@ -232,8 +234,16 @@ class LLMEngine:
         t1 = time.perf_counter()
         if sched.is_empty:
             return [], None, []
-        runner_out = self.runner.execute(sched)
-        advanced = self.scheduler.update(sched, runner_out.sampled)
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(sched)
+            runner_out = self.runner.execute(sched)
+            advanced = self.scheduler.update(sched, runner_out.sampled)
+        except Exception as exc:  # noqa: BLE001 - one bad step fails its own requests, not the engine
+            logger.exception("engine step failed; failing the %d requests in it", len(sched.scheduled))
+            reqs = [s.request for s in sched.scheduled]
+            deltas = self.fail_requests(reqs, f"internal error while generating: {type(exc).__name__}")
+            return deltas, None, [self._request_stats(r) for r in reqs]
         t2 = time.perf_counter()
 
         deltas: list[CompletionDelta] = []
@@ -274,6 +284,7 @@ class LLMEngine:
             total_s=t3 - t0,
             num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens,
+            num_generated_tokens=len(advanced),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
@@ -335,7 +346,7 @@ class LLMEngine:
         )
 
 
-def _default_name(source: str) -> str:
+def default_model_name(source: str) -> str:
     """'.../SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'; a directory -> its name."""
     base = os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
     stem, _, last = base.rpartition(".")

@@ -21,6 +21,7 @@ class StepStats:
     total_s: float
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_generated_tokens: int  # tokens sampled this step (prompt chunks that did not finish sample none)
     num_running: int
     num_waiting: int
     kv_blocks_used: int

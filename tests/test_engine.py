@@ -159,3 +159,25 @@ def test_rejects_requests_that_cannot_run(loaded):
     with pytest.raises(RequestError, match="logit_bias"):
         engine.add_request("w", "hi", SamplingParams(logit_bias={10**7: 1.0}))
     assert not engine.has_unfinished()
+
+
+def test_a_failing_step_fails_only_its_requests(loaded):
+    engine = make_engine(loaded)
+    engine.add_request("ok-before", "Hello there", GREEDY)
+    engine.step()  # ok-before is prefilled and decoding
+
+    def explode(sched):
+        if any(s.request.request_id == "bad" for s in sched.scheduled):
+            raise RuntimeError("injected")
+
+    engine.fault_hook = explode
+    engine.add_request("bad", "This request meets a broken step", GREEDY)
+    deltas, _, finished = engine.step()
+    failed = {d.request_id: d for d in deltas}
+    assert failed["bad"].finish_reason == "error" and "internal error" in failed["bad"].error
+    assert failed["ok-before"].finish_reason == "error"  # it shared the broken step
+    assert {r.finish_reason for r in finished} == {"error"}
+    engine.fault_hook = None
+    tokens, _, _ = run(engine, ["After the fault"])
+    assert len(tokens["0"]) == GREEDY.max_tokens  # the engine keeps serving
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
