@@ -175,6 +175,47 @@ def test_fallbacks_for_unsupported_inputs():
     torch.testing.assert_close(out[1], ref[1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_column_strided_inputs(dtype):
+    """A non-contiguous last dim (a transposed view): out-of-place ops copy, in-place ones fall
+    back to torch; results match the reference either way and the in-place ops still write through."""
+    w = torch.rand(64).to(dtype)
+    xt = torch.randn(64, 5).to(dtype).t()  # [5, 64], stride (1, 5)
+    rt = torch.randn(64, 5).to(dtype).t()
+    _close_bf16_ulps(fused.rms_norm(xt, w, 1e-5), fused.rms_norm_ref(xt, w, 1e-5))
+    ref_out, ref_sum = fused.add_rms_norm_ref(xt, rt, w, 1e-5)
+    out, s = fused.add_rms_norm(xt, rt, w, 1e-5)
+    _close_bf16_ulps(out, ref_out)
+    assert torch.equal(s, ref_sum)
+    x2, r2 = xt.clone().t().contiguous().t(), rt.clone().t().contiguous().t()
+    a, b = fused.add_rms_norm_(x2, r2, w, 1e-5)
+    assert a is x2 and b is r2 and x2.stride() == (1, 5)
+    _close_bf16_ulps(x2, ref_out)
+    assert torch.equal(r2, ref_sum)
+    gu = torch.randn(128, 3).to(dtype).t()
+    _close_bf16_ulps(fused.silu_and_mul(gu), fused.silu_and_mul_ref(gu))
+    cs = _cos_sin(64, 16)
+    pos = torch.tensor([3, 1, 60])
+    q = torch.randn(32, 3).to(dtype).t()
+    k = torch.randn(16, 3).to(dtype).t()
+    rq, rk = fused.apply_rope_ref(pos, q, k, cs, 16)
+    nq, nk = fused.apply_rope(pos, q, k, cs, 16)
+    _close_bf16_ulps(nq, rq)
+    _close_bf16_ulps(nk, rk)
+    fused.apply_rope_(pos, q, k, cs, 16)
+    _close_bf16_ulps(q, rq)
+    _close_bf16_ulps(k, rk)
+
+
+def test_mismatched_inputs_fall_back_to_torch():
+    """Weight in another dtype than x: torch's promotion rules apply (float32 result)."""
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    w32 = torch.rand(64)
+    out = fused.rms_norm(x, w32, 1e-5)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, fused.rms_norm_ref(x, w32, 1e-5))
+
+
 def test_isa_paths_agree():
     """Every ISA path gives the same bf16 result as the best one on identical input (model-sized)."""
     ops = _ops()

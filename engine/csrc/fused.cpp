@@ -284,30 +284,34 @@ void norm_rows(const NormArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
-void check_rows(const torch::Tensor& t, const char* what, int64_t rows, int64_t cols, at::ScalarType dtype) {
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, what, ": expected shape [", rows, ", ", cols, "]");
-  TORCH_CHECK(t.stride(1) == 1, what, ": last dim must be contiguous");
-  TORCH_CHECK(t.scalar_type() == dtype, what, ": dtype mismatch");
+// Whether the kernels take t: a CPU tensor of `dtype` with `dims` dims (and a contiguous last dim
+// when `unit_stride`).  The ops answer None/false for anything else, and engine/layers/fused.py
+// runs its torch reference instead, so Python need not inspect the tensors on the hot path.
+bool usable(const torch::Tensor& t, int64_t dims, at::ScalarType dtype, bool unit_stride) {
+  return t.defined() && t.dim() == dims && t.scalar_type() == dtype && t.device().is_cpu() &&
+         (!unit_stride || dims == 0 || t.stride(dims - 1) == 1 || t.size(dims - 1) <= 1);
 }
 
-at::ScalarType check_x(const torch::Tensor& x, const char* what) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": x must be 2-D with a contiguous last dim");
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, what, ": float32 or bfloat16 only");
-  return dt;
+bool model_dtype(const torch::Tensor& x) {
+  return x.defined() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
 }
+
+// x [T, H] (any strides; out-of-place callers pass contiguous copies when needed), weight [H].
+bool norm_usable(const torch::Tensor& x, const torch::Tensor& w, bool unit_stride) {
+  return model_dtype(x) && usable(x, 2, x.scalar_type(), unit_stride) && usable(w, 1, x.scalar_type(), false) &&
+         w.size(0) == x.size(1);
+}
+
+torch::Tensor unit_stride(const torch::Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
 
 NormArgs norm_args(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  const auto dt = check_x(x, "rms_norm");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() && w.scalar_type() == dt,
-              "rms_norm: weight must be contiguous [hidden] in x's dtype");
   NormArgs a{};
   a.x = x.data_ptr();
   a.ldx = x.stride(0);
   a.w = w.data_ptr();
   a.h = x.size(1);
   a.eps = static_cast<float>(eps);
-  a.bf16 = dt == at::kBFloat16;
+  a.bf16 = x.scalar_type() == at::kBFloat16;
   return a;
 }
 
@@ -328,7 +332,9 @@ std::vector<int64_t> fused_isas() {
   return out;
 }
 
-torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+c10::optional<torch::Tensor> fused_rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight_in, double eps) {
+  if (!norm_usable(x_in, weight_in, false)) return c10::nullopt;
+  const torch::Tensor x = unit_stride(x_in), weight = weight_in.contiguous();
   NormArgs a = norm_args(x, weight, eps);
   torch::Tensor out = torch::empty({x.size(0), x.size(1)}, x.options());
   a.out = out.data_ptr();
@@ -337,10 +343,14 @@ torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight
   return out;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
-                                                            const torch::Tensor& weight, double eps) {
+c10::optional<std::tuple<torch::Tensor, torch::Tensor>> fused_add_rms_norm(const torch::Tensor& x_in,
+                                                                           const torch::Tensor& residual_in,
+                                                                           const torch::Tensor& weight_in, double eps) {
+  if (!norm_usable(x_in, weight_in, false) || !usable(residual_in, 2, x_in.scalar_type(), false) ||
+      residual_in.sizes() != x_in.sizes())
+    return c10::nullopt;
+  const torch::Tensor x = unit_stride(x_in), residual = unit_stride(residual_in), weight = weight_in.contiguous();
   NormArgs a = norm_args(x, weight, eps);
-  check_rows(residual, "add_rms_norm: residual", x.size(0), x.size(1), x.scalar_type());
   torch::Tensor out = torch::empty({x.size(0), x.size(1)}, x.options());
   torch::Tensor sum = torch::empty({x.size(0), x.size(1)}, x.options());
   a.res_in = residual.data_ptr();
@@ -350,12 +360,14 @@ std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(const torch::Tensor&
   a.out = out.data_ptr();
   a.ld_out = out.stride(0);
   for_rows(x.size(0), a.h, [&](int64_t r0, int64_t r1) { norm_rows(a, r0, r1); });
-  return {out, sum};
+  return std::make_tuple(out, sum);
 }
 
-void fused_add_rms_norm_(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
+bool fused_add_rms_norm_(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight_in, double eps) {
+  if (!norm_usable(x, weight_in, true) || !usable(residual, 2, x.scalar_type(), true) || residual.sizes() != x.sizes())
+    return false;
+  const torch::Tensor weight = weight_in.contiguous();
   NormArgs a = norm_args(x, weight, eps);
-  check_rows(residual, "add_rms_norm_: residual", x.size(0), x.size(1), x.scalar_type());
   a.res_in = residual.data_ptr();
   a.ld_res_in = residual.stride(0);
   a.res_out = residual.data_ptr();
@@ -363,14 +375,15 @@ void fused_add_rms_norm_(torch::Tensor& x, torch::Tensor& residual, const torch:
   a.out = x.data_ptr();
   a.ld_out = x.stride(0);
   for_rows(x.size(0), a.h, [&](int64_t r0, int64_t r1) { norm_rows(a, r0, r1); });
+  return true;
 }
 
-torch::Tensor fused_silu_and_mul(const torch::Tensor& x) {
-  const auto dt = check_x(x, "silu_and_mul");
-  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: last dim must be even");
+c10::optional<torch::Tensor> fused_silu_and_mul(const torch::Tensor& x_in) {
+  if (!model_dtype(x_in) || !usable(x_in, 2, x_in.scalar_type(), false) || x_in.size(1) % 2) return c10::nullopt;
+  const torch::Tensor x = unit_stride(x_in);
   const int64_t d = x.size(1) / 2;
   torch::Tensor out = torch::empty({x.size(0), d}, x.options());
-  SiluArgs a{x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), d, dt == at::kBFloat16};
+  SiluArgs a{x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), d, x.scalar_type() == at::kBFloat16};
   for_rows(x.size(0), 2 * d, [&](int64_t r0, int64_t r1) {
     switch (isa()) {
       case kAvx512: avx512::silu_and_mul_rows(a, r0, r1); break;
@@ -381,22 +394,21 @@ torch::Tensor fused_silu_and_mul(const torch::Tensor& x) {
   return out;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> fused_rope(const torch::Tensor& positions, const torch::Tensor& q,
-                                                    const torch::Tensor& k, const torch::Tensor& cos_sin,
-                                                    int64_t head_size, bool inplace) {
-  const auto dt = check_x(q, "rope: q");
+c10::optional<std::tuple<torch::Tensor, torch::Tensor>> fused_rope(const torch::Tensor& positions,
+                                                                   const torch::Tensor& q_in,
+                                                                   const torch::Tensor& k_in,
+                                                                   const torch::Tensor& cos_sin, int64_t head_size,
+                                                                   bool inplace) {
+  if (!model_dtype(q_in) || !usable(q_in, 2, q_in.scalar_type(), inplace) ||
+      !usable(k_in, 2, q_in.scalar_type(), inplace) || k_in.size(0) != q_in.size(0) ||
+      !usable(positions, 1, at::kLong, false) || positions.size(0) != q_in.size(0) ||
+      !usable(cos_sin, 2, at::kFloat, true) || cos_sin.size(1) != head_size || head_size <= 0 || head_size % 2 ||
+      q_in.size(1) % head_size || k_in.size(1) % head_size)
+    return c10::nullopt;
+  const torch::Tensor q = inplace ? q_in : unit_stride(q_in), k = inplace ? k_in : unit_stride(k_in);
+  const torch::Tensor pos_t = positions.contiguous();
   const int64_t t = q.size(0);
-  TORCH_CHECK(k.dim() == 2 && k.size(0) == t && k.stride(1) == 1 && k.scalar_type() == dt,
-              "rope: k must be [T, Hkv*D] in q's dtype with a contiguous last dim");
-  TORCH_CHECK(head_size % 2 == 0 && q.size(1) % head_size == 0 && k.size(1) % head_size == 0,
-              "rope: widths must be multiples of an even head_size");
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == t && positions.scalar_type() == at::kLong &&
-                  positions.is_contiguous(),
-              "rope: positions must be contiguous int64 [T]");
-  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == head_size && cos_sin.scalar_type() == at::kFloat &&
-                  cos_sin.stride(1) == 1,
-              "rope: cos_sin must be float32 [max_pos, head_size]");
-  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* pos = pos_t.data_ptr<int64_t>();
   const int64_t max_pos = cos_sin.size(0);
   for (int64_t i = 0; i < t; ++i)
     TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "rope: position ", pos[i], " outside the cos_sin cache");
@@ -409,7 +421,7 @@ std::tuple<torch::Tensor, torch::Tensor> fused_rope(const torch::Tensor& positio
   a.cos_sin = cos_sin.data_ptr<float>();
   a.ld_cs = cos_sin.stride(0);
   a.half = head_size / 2;
-  a.bf16 = dt == at::kBFloat16;
+  a.bf16 = q.scalar_type() == at::kBFloat16;
   for_rows(t, q.size(1) + k.size(1), [&](int64_t r0, int64_t r1) {
     switch (isa()) {
       case kAvx512: avx512::rope_rows(a, r0, r1); break;
@@ -417,5 +429,5 @@ std::tuple<torch::Tensor, torch::Tensor> fused_rope(const torch::Tensor& positio
       default: scalar::rope_rows(a, r0, r1); break;
     }
   });
-  return {qo, ko};
+  return std::make_tuple(qo, ko);
 }

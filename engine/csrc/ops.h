@@ -27,19 +27,23 @@ std::vector<std::string> attention_isas();  // attention ISAs compiled in and ru
 // ---- end attention.cpp ----
 
 // ---- fused.cpp (element-wise ops of a Llama layer; torch reference in engine/layers/fused.py) ----
-// bf16 or fp32, 2-D [T, H] with a contiguous last dim (any row stride); weight in x's dtype.
-torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// bf16 or fp32 CPU tensors, 2-D [T, H], weight [H] in x's dtype.  Each op returns None (false) when
+// its inputs are not a case it handles, and the caller runs the torch reference instead.
+c10::optional<torch::Tensor> fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 // (rms_norm(x + residual), x + residual), new tensors
-std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
-                                                            const torch::Tensor& weight, double eps);
-// in place: residual = x + residual; x = rms_norm(residual)
-void fused_add_rms_norm_(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
-torch::Tensor fused_silu_and_mul(const torch::Tensor& gate_up);  // [T, 2d] -> [T, d]
+c10::optional<std::tuple<torch::Tensor, torch::Tensor>> fused_add_rms_norm(const torch::Tensor& x,
+                                                                           const torch::Tensor& residual,
+                                                                           const torch::Tensor& weight, double eps);
+// in place: residual = x + residual; x = rms_norm(residual) (both with a contiguous last dim)
+bool fused_add_rms_norm_(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps);
+c10::optional<torch::Tensor> fused_silu_and_mul(const torch::Tensor& gate_up);  // [T, 2d] -> [T, d]
 // NeoX RoPE of q [T, Hq*D] and k [T, Hkv*D] (row-strided slices allowed); cos_sin float32 [P, D] = [cos|sin].
-// inplace: rotates q and k and returns them; else returns new contiguous tensors.
-std::tuple<torch::Tensor, torch::Tensor> fused_rope(const torch::Tensor& positions, const torch::Tensor& q,
-                                                    const torch::Tensor& k, const torch::Tensor& cos_sin,
-                                                    int64_t head_size, bool inplace);
+// inplace: rotates q and k and returns them; else returns new contiguous tensors.  Throws on a
+// position outside cos_sin.
+c10::optional<std::tuple<torch::Tensor, torch::Tensor>> fused_rope(const torch::Tensor& positions,
+                                                                   const torch::Tensor& q, const torch::Tensor& k,
+                                                                   const torch::Tensor& cos_sin, int64_t head_size,
+                                                                   bool inplace);
 std::vector<int64_t> fused_isas();  // 0 scalar, 1 avx2, 2 avx512
 void fused_set_isa(int64_t isa);    // pin a path (tests); -1: best
 // ---- end fused.cpp ----

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 _UNSET: Any = object()
 _native: Any = _UNSET
-_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _ops() -> Optional[Any]:
@@ -31,11 +30,6 @@ def _ops() -> Optional[Any]:
         mod = native.load()
         _native = mod if mod is not None and hasattr(mod, "fused_rms_norm") else None
     return _native
-
-
-def _rows_ok(x: torch.Tensor) -> bool:
-    """A tensor the native kernels take: 2-D CPU [T, H] bf16/fp32 with a contiguous last dim."""
-    return x.dim() == 2 and x.dtype in _DTYPES and x.stride(1) == 1 and x.device.type == "cpu"
 
 
 # ---------------------------------------------------------------- torch reference
@@ -80,13 +74,19 @@ def apply_rope_ref(
 
 
 # ---------------------------------------------------------------- public ops (native when possible)
+#
+# The native ops check their inputs themselves (dtype, dims, device, shapes) and answer None (or
+# False) for anything they do not handle, so the hot path here is one call; the torch reference
+# runs for the rest (float16, 3-D inputs, ...).
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, cast back to x's dtype (as Hugging Face's LlamaRMSNorm does)."""
-    ops = _ops()
-    if ops is not None and _rows_ok(x) and weight.dtype == x.dtype and weight.is_contiguous():
-        return ops.fused_rms_norm(x, weight, eps)
+    ops = _native if _native is not _UNSET else _ops()
+    if ops is not None:
+        out = ops.fused_rms_norm(x, weight, eps)
+        if out is not None:
+            return out
     return rms_norm_ref(x, weight, eps)
 
 
@@ -94,12 +94,13 @@ def add_rms_norm(
     x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the pre-norm residual stream in one call."""
-    ops = _ops()
-    if ops is not None and _rows_ok(x) and weight.dtype == x.dtype and weight.is_contiguous():
-        if residual is None:
-            return ops.fused_rms_norm(x, weight, eps), x
-        if _rows_ok(residual) and residual.dtype == x.dtype and residual.shape == x.shape:
-            return ops.fused_add_rms_norm(x, residual, weight, eps)
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    ops = _native if _native is not _UNSET else _ops()
+    if ops is not None:
+        out = ops.fused_add_rms_norm(x, residual, weight, eps)
+        if out is not None:
+            return out
     return add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -111,42 +112,21 @@ def add_rms_norm_(
     the norm is a new tensor: ``(rms_norm(x), x)``.  x's old values are lost."""
     if residual is None:
         return rms_norm(x, weight, eps), x
-    ops = _ops()
-    if (
-        ops is not None
-        and _rows_ok(x)
-        and _rows_ok(residual)
-        and residual.dtype == x.dtype
-        and residual.shape == x.shape
-        and weight.dtype == x.dtype
-        and weight.is_contiguous()
-    ):
-        ops.fused_add_rms_norm_(x, residual, weight, eps)
-        return x, residual
-    residual.add_(x)
-    x.copy_(rms_norm_ref(residual, weight, eps))
+    ops = _native if _native is not _UNSET else _ops()
+    if ops is None or not ops.fused_add_rms_norm_(x, residual, weight, eps):
+        residual.add_(x)
+        x.copy_(rms_norm_ref(residual, weight, eps))
     return x, residual
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up, for gate_up = [gate | up] along the last dim."""
-    ops = _ops()
-    if ops is not None and _rows_ok(gate_up) and gate_up.shape[1] % 2 == 0:
-        return ops.fused_silu_and_mul(gate_up)
+    ops = _native if _native is not _UNSET else _ops()
+    if ops is not None:
+        out = ops.fused_silu_and_mul(gate_up)
+        if out is not None:
+            return out
     return silu_and_mul_ref(gate_up)
-
-
-def _rope_ok(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> bool:
-    return (
-        _rows_ok(q)
-        and _rows_ok(k)
-        and k.dtype == q.dtype
-        and positions.dtype == torch.int64
-        and positions.dim() == 1
-        and positions.is_contiguous()
-        and cos_sin.dtype == torch.float32
-        and cos_sin.stride(-1) == 1
-    )
 
 
 def apply_rope(
@@ -157,9 +137,11 @@ def apply_rope(
     q: [T, Hq*D], k: [T, Hkv*D]; cos_sin: float32 [max_pos, D] = [cos | sin] of half width.
     Returns new tensors.
     """
-    ops = _ops()
-    if ops is not None and _rope_ok(positions, q, k, cos_sin):
-        return ops.fused_rope(positions, q, k, cos_sin, head_size, False)
+    ops = _native if _native is not _UNSET else _ops()
+    if ops is not None:
+        out = ops.fused_rope(positions, q, k, cos_sin, head_size, False)
+        if out is not None:
+            return out
     return apply_rope_ref(positions, q, k, cos_sin, head_size)
 
 
@@ -167,10 +149,12 @@ def apply_rope_(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, head_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place :func:`apply_rope`: rotates q and k where they are (e.g. column slices of the qkv
-    projection's output) and returns them."""
-    ops = _ops()
-    if ops is not None and _rope_ok(positions, q, k, cos_sin):
-        return ops.fused_rope(positions, q, k, cos_sin, head_size, True)
+    projection's output, which stay row-strided views) and returns them."""
+    ops = _native if _native is not _UNSET else _ops()
+    if ops is not None:
+        out = ops.fused_rope(positions, q, k, cos_sin, head_size, True)
+        if out is not None:
+            return out
     q_rot, k_rot = apply_rope_ref(positions, q, k, cos_sin, head_size)
     q.copy_(q_rot)
     k.copy_(k_rot)
