@@ -70,24 +70,27 @@ def kernel_table(ms: list[int], isa: str | None) -> dict[tuple[str, int], tuple[
     gen = torch.Generator().manual_seed(0)
     results = {}
     print(f"packed kernel path: {isa or Q.available_isas()[-1]}; torch threads: {torch.get_num_threads()}")
-    print(f"{'shape':8s} {'N x K':>12s} {'M':>3s} | {'dense bf16':>10s} {'GB/s':>6s} | {'packed':>9s} {'GB/s':>6s} | {'speedup':>7s}")
+    print(f"{'shape':8s} {'N x K':>12s} {'M':>3s} | {'dense bf16':>10s} {'GB/s':>6s} | {'packed a16':>10s} {'GB/s':>6s} | "
+          f"{'speedup':>7s} | {'packed a8':>9s} {'speedup':>7s}")
     for name, n, k, qtype in SHAPES:
         dense_bytes = n * k * 2
         raw = _random_blocks(qtype, n, k, gen)
-        packed0 = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa)
+        packed0 = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, 16)
         w0 = Q.dequantize_blocks(raw, qtype, (n, k)).to(torch.bfloat16)
         n_dense = max(1, WORKING_SET // dense_bytes)
         n_packed = max(1, WORKING_SET // packed0.nbytes)
         dense = [w0] + [w0.clone() for _ in range(n_dense - 1)]
-        packed = [packed0] + [Q.PackedWeight(packed0.data.clone(), qtype, (n, k), isa) for _ in range(n_packed - 1)]
+        packed = [packed0] + [Q.PackedWeight(packed0.data.clone(), qtype, (n, k), isa, 16) for _ in range(n_packed - 1)]
+        packed8 = [p.with_isa(isa, 8) for p in packed]
         for m in ms:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             td = best_time([lambda w=w: F.linear(x, w) for w in dense])
             tp = best_time([lambda p=p: p(x) for p in packed])
+            t8 = best_time([lambda p=p: p(x) for p in packed8])
             results[(name, m)] = (td, tp)
             print(
                 f"{name:8s} {f'{n}x{k}':>12s} {m:3d} | {td * 1e6:8.1f}us {dense_bytes / td / 1e9:6.1f} | "
-                f"{tp * 1e6:7.1f}us {packed0.nbytes / tp / 1e9:6.1f} | {td / tp:6.2f}x"
+                f"{tp * 1e6:8.1f}us {packed0.nbytes / tp / 1e9:6.1f} | {td / tp:6.2f}x | {t8 * 1e6:7.1f}us {td / t8:6.2f}x"
             )
         del dense, packed
     return results

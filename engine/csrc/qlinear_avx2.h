@@ -60,6 +60,8 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int b = 0; b < nb; ++b) {
     const uint8_t* gb = wg + static_cast<int64_t>(b) * p.gbytes;
+    if (kPrefetchBytes > 0 && h == 0)  // the second half re-reads the group from cache
+      for (int off = 0; off < p.gbytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchBytes + off), QL_PREFETCH_HINT);
     __m256i w[8];
     __m256 dv, mv = _mm256_setzero_ps();
     if (QT == kQ8_0) {
