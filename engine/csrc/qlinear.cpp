@@ -519,6 +519,7 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear: unsupported qtype ", qtype);
   TORCH_CHECK(k % kBlock == 0, "qlinear: in_features must be a multiple of 32");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "qlinear: x must be [M, ", k, "]");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "qlinear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear: x must be float32 or bfloat16");
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
   const int gbytes = group_block_bytes(static_cast<int>(qtype));
