@@ -36,6 +36,13 @@ from engine.stats import RequestStats, StepStats
 logger = logging.getLogger(__name__)
 
 
+# Limits that keep one request from taking the server: n sequences per prompt, stop strings
+# (each is searched for in every step's new text), and a seed torch's generator accepts.
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
 class RequestError(ValueError):
     """A request the engine cannot accept (too long, bad token ids...); ``param`` names the culprit."""
 
@@ -154,6 +161,12 @@ class LLMEngine:
                 f"context length of {self.max_model_len}",
                 "max_tokens",
             )
+        if params.n > MAX_N:
+            raise RequestError(f"'n' must be at most {MAX_N}", "n")
+        if len(params.stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(params.stop)}", "stop")
+        if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
+            raise RequestError("'seed' must be a signed 64-bit integer", "seed")
         for name, ids in (("logit_bias", params.logit_bias.keys()), ("stop_token_ids", params.stop_token_ids)):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:

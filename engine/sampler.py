@@ -69,7 +69,7 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k]).clamp(max=vocab)
+        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k])  # clamped before: 10**30 overflows int64
         ranks = torch.arange(vocab).unsqueeze(0)
         mask = ranks >= k.unsqueeze(1)
         probs = sorted_logits.masked_fill(mask, -float("inf")).softmax(-1)
