@@ -523,7 +523,7 @@ def format_report(m: dict) -> str:
     lines = [f"{title:=^{w}}"]
 
     def row(name: str, val: Any, fmt: str = "{:<10.2f}") -> None:
-        s = fmt.format(val) if isinstance(val, (int, float)) and not isinstance(val, bool) else str(val)
+        s = fmt.format(val) if isinstance(val, float) else str(val)
         lines.append(f"{name:<40} {s}")
 
     row("Model:", m.get("model"), "{}")

@@ -137,9 +137,9 @@ def process_tree(root: int, sid: Optional[int] = None) -> set[int]:
     return pids
 
 
-def rss_bytes(pids: set[int]) -> tuple[int, int]:
+def rss_bytes(pids: set[int], pss: bool = True) -> tuple[int, int]:
     """(sum of VmRSS, sum of Pss) over ``pids``, in bytes. Pss counts shared pages once overall."""
-    rss = pss = 0
+    rss = pss_sum = 0
     for p in pids:
         try:
             with open(f"/proc/{p}/status") as f:
@@ -149,15 +149,17 @@ def rss_bytes(pids: set[int]) -> tuple[int, int]:
                         break
         except OSError:
             continue
+        if not pss:
+            continue
         try:
             with open(f"/proc/{p}/smaps_rollup") as f:
                 for line in f:
                     if line.startswith("Pss:"):
-                        pss += int(line.split()[1]) * 1024
+                        pss_sum += int(line.split()[1]) * 1024
                         break
         except OSError:
             pass
-    return rss, pss
+    return rss, pss_sum
 
 
 class RssSampler(threading.Thread):
@@ -174,7 +176,7 @@ class RssSampler(threading.Thread):
         while not self._stop_evt.wait(self.interval):
             pids = self.tree()
             self.seen |= pids
-            self.peak = max(self.peak, rss_bytes(pids)[0])
+            self.peak = max(self.peak, rss_bytes(pids, pss=False)[0])
 
     def stop(self) -> None:
         self._stop_evt.set()
