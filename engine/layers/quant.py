@@ -17,7 +17,7 @@ AVX2, scalar; picked at run time).  That rounding is the only approximation:
 (``python -m benchmarks.linear_kernels --accuracy`` measures these.)
 
 Prefill batches are compute-bound and stay on the dense matmul: ``Linear`` sends only batches of
-at most ``packed_max_rows`` rows here (:func:`default_max_rows`: 32 for Q4, 16 for Q8_0).
+at most ``packed_max_rows`` rows here (:func:`default_max_rows`: 48 for Q4, 32 for Q8_0).
 
 Packed layout (built here with torch ops, described in ``engine/csrc/qlinear.h``): groups of 16
 output rows, each a sequential run of "group-blocks" whose quants are interleaved in 4-byte words
@@ -46,13 +46,16 @@ GROUP_ROWS = 16
 GROUP_BLOCK_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
 
-# Largest batch that goes to the packed kernel, by (qtype family, activation bits): where dense
-# bf16 ``F.linear`` (oneDNN GEMM) catches up, measured with benchmarks/linear_kernels.py on a
-# 2-core AVX-512 VNNI host at the default model's shapes.  Decode is memory-bound and the packed
-# kernel reads 3.2x (Q4) / 1.9x (Q8_0) fewer bytes; past a few dozen rows both are compute-bound,
-# the 15-bit activation mode does twice the integer dot products, and Q8_0 saves fewer bytes, so
-# its crossover comes first.  CPUSERVE_PACKED_MAX_ROWS overrides them all; 0 disables the path.
-MAX_ROWS = {("Q4", 16): 32, ("Q8", 16): 16, ("Q4", 8): 64, ("Q8", 8): 64}
+# Largest batch that goes to the packed kernel, by (qtype family, activation bits).  Measured with
+# benchmarks/linear_kernels.py on a 2-core AVX-512 VNNI host (no AMX) at the default model's
+# shapes, dense bf16 ``F.linear`` (oneDNN) overtakes the packed kernel at about: Q4 a16 64-96 rows,
+# Q8_0 a16 48-64, a8 beyond 96 / 64.  Decode is memory-bound and the packed kernel reads 3.2x (Q4)
+# / 1.9x (Q8_0) fewer bytes; past a few dozen rows both are compute-bound, a16 does twice the
+# integer dot products of a8, and Q8_0 saves fewer bytes, so its crossover comes first.  The
+# defaults sit below those crossovers, leaving room for hosts whose dense GEMM is relatively
+# faster (AMX); rerun the benchmark there.  CPUSERVE_PACKED_MAX_ROWS overrides them all; 0
+# disables the packed path.
+MAX_ROWS = {("Q4", 16): 48, ("Q8", 16): 32, ("Q4", 8): 64, ("Q8", 8): 64}
 DEFAULT_MAX_ROWS = MAX_ROWS[("Q4", 16)]
 
 # Activation precision inside the kernel: 16 = each 32-block rounded to 15 bits (two int8 digits,
