@@ -42,6 +42,7 @@ class _Stream:
 
 StepCallback = Callable[[StepStats], None]
 FinishCallback = Callable[[RequestStats], None]
+DeadCallback = Callable[[BaseException], None]
 
 
 class AsyncEngine:
@@ -50,15 +51,17 @@ class AsyncEngine:
         engine: LLMEngine,
         on_step: Optional[StepCallback] = None,
         on_finish: Optional[FinishCallback] = None,
+        on_dead: Optional[DeadCallback] = None,
     ) -> None:
         self.engine = engine
         self.on_step = on_step
         self.on_finish = on_finish
+        self.on_dead = on_dead  # called on the engine thread, after every stream was failed, if the loop dies
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _pending
-        self._pending = 0  # accepted, not yet handed to the scheduler
+        self._pending = 0  # sequences accepted, not yet handed to the scheduler
         self._stop = threading.Event()
         self.dead: Optional[BaseException] = None
         self.max_waiting = engine.config.scheduler.max_waiting
@@ -86,6 +89,7 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
+        """Sequences waiting for a batch slot (a request with ``n`` choices counts ``n``)."""
         return self.engine.scheduler.num_waiting + self._pending
 
     # --- requests ---------------------------------------------------------------------
@@ -99,7 +103,8 @@ class AsyncEngine:
     ) -> AsyncIterator[CompletionDelta]:
         """Validate and queue a request; returns its stream of deltas (all n choices, in step order).
 
-        Raises RequestError (bad request), QueueFullError (429) or EngineDeadError at once.
+        Raises RequestError (bad request), QueueFullError (429) or EngineDeadError at once.  The
+        queue limit counts sequences; an empty queue always takes a request, whatever its ``n``.
         """
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
@@ -107,12 +112,13 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), params.n)
         with self._lock:
-            if self.num_waiting >= self.max_waiting:
-                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
+            waiting = self.num_waiting
+            if waiting and waiting + params.n > self.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} sequences)")
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._pending += 1
+            self._pending += params.n
         self._commands.put(("add", request_id, list(prompt_ids), params, priority, time.monotonic()))
         self._wake.set()
         return self._iterate(request_id, stream, params.n)
@@ -161,7 +167,12 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - the loop is gone: tell every stream
             logger.exception("engine loop died")
             self.dead = exc
-            self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
+            self._fail_all(EngineDeadError(f"the engine stopped: {type(exc).__name__}"))
+            if self.on_dead is not None:
+                try:
+                    self.on_dead(exc)
+                except Exception:  # noqa: BLE001
+                    logger.exception("on_dead callback failed")
 
     def _report(self, step_stats: Optional[StepStats], finished: list[RequestStats]) -> None:
         """Hand stats to the callbacks; a broken metrics callback must not stop generation."""
@@ -183,7 +194,7 @@ class AsyncEngine:
             if cmd[0] == "add":
                 _, rid, prompt_ids, params, priority, arrival = cmd
                 with self._lock:
-                    self._pending -= 1
+                    self._pending -= params.n
                     alive = rid in self._streams
                 if not alive:
                     continue  # aborted before it reached the scheduler
