@@ -3,7 +3,8 @@
 Every flag has an environment variable: ``--kv-cache-gb`` is ``CPUSERVE_KV_CACHE_GB``; a flag on
 the command line wins over its variable.  A bad setting or model path prints one line and exits 1
 before anything starts.  SIGTERM (or Ctrl-C) stops taking new requests, lets in-flight ones finish
-for up to ``--shutdown-timeout`` seconds, then exits 0.
+for up to ``--shutdown-timeout`` seconds, then exits 0.  Exit status 1: the model could not be
+loaded; 3: the engine loop died while serving (restart the server).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentPa
     add("--kv-cache-gb", "KV-cache size in GiB (default: a quarter of available memory, 0.5 to 8)", type=float)
     add("--kv-cache-dtype", "KV-cache storage type; fp8 halves its memory", choices=list(KV_CACHE_DTYPES), default="auto")
     add("--block-size", "tokens per KV-cache block (a multiple of 8)", type=int, default=16)
-    add("--max-queue", "most requests waiting for a batch slot; beyond it requests get 429 with Retry-After", type=int, default=1024)
+    add("--max-queue", "most sequences (a request with n choices counts n) waiting for a batch slot; beyond it requests get 429 with Retry-After", type=int, default=1024)
     add("--max-request-bytes", "largest request body accepted; larger ones get 413", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     add("--api-key", "if set, /v1/*, /tokenize, /detokenize and /version need 'Authorization: Bearer <key>' (/health and /metrics stay open)")
     add("--threads", "threads for the model's math (default: OMP_NUM_THREADS, else the CPUs this process may use)", type=int)
@@ -175,6 +176,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server.should_exit = True
 
     state.on_load_failure = stop_on_load_failure
+
+    def stop_after_engine_death() -> None:  # its streams have ended already; exit non-zero (below)
+        server.should_exit = True
+
+    state.on_engine_dead = stop_after_engine_death
     # uvicorn re-raises the signal that stopped it once it has drained; by then we are done, and
     # exit 0 rather than die of the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -182,6 +188,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     server.run()
     if state.load_error is not None or not server.started:
         return 1
+    if state.engine_died:
+        logger.error("stopped: the engine loop died; exit status 3 so the server is restarted")
+        return 3
     logger.info("stopped")
     return 0
 

@@ -84,6 +84,7 @@ class Metrics:
         self._running = gauge("num_requests_running", "Sequences in the running batch")
         self._waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled")
         self._kv_usage = gauge("kv_cache_usage_ratio", "Fraction of KV-cache blocks held by live requests (0 to 1)")
+        self._kv_blocks = gauge("kv_cache_blocks_used", "KV-cache blocks held by live requests (0 when idle: none leaked)")
         self._healthy = gauge("engine_healthy", "1 when the engine is loaded, warmed up and running, else 0")
         self.model_name: Optional[str] = None
 
@@ -94,6 +95,7 @@ class Metrics:
         num_waiting: Callable[[], float],
         kv_usage: Callable[[], float],
         healthy: Callable[[], float],
+        kv_blocks_used: Callable[[], float] = lambda: 0.0,
     ) -> None:
         """Name the model and create every series (zeros included, so rate() and alerts see them)."""
         self.model_name = m = model_name
@@ -110,6 +112,7 @@ class Metrics:
         self._running.labels(m).set_function(num_running)
         self._waiting.labels(m).set_function(num_waiting)
         self._kv_usage.labels(m).set_function(kv_usage)
+        self._kv_blocks.labels(m).set_function(kv_blocks_used)
         self._healthy.labels(m).set_function(healthy)
 
     # --- engine thread ---------------------------------------------------------------------

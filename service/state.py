@@ -3,7 +3,10 @@
 The HTTP socket opens at once; ``/health`` answers 503 until the model is loaded and one tiny
 generation has run, then 200 until the engine dies or SIGTERM starts the drain.  Handlers reach
 the engine only through :meth:`ServerState.engines` and :meth:`ServerState.submit`, which turn the
-engine's exceptions into HTTP errors.
+engine's exceptions into HTTP errors.  If the engine loop dies, every open stream has already
+ended with an error; ``/health`` answers 503 and, ``ENGINE_DEAD_EXIT_DELAY_S`` later (time for
+those error events to go out and a probe to see the 503), ``on_engine_dead`` stops the process,
+which exits non-zero so an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from engine.engine import LLMEngine, RequestError
 from engine.loader import ModelLoadError
 from engine.request import CompletionDelta, SamplingParams
+from service import faults
 from service.config import ServiceConfig
 from service.errors import APIError
 from service.metrics import Metrics
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("service")
 
 RETRY_AFTER_S = 1  # 429: the queue usually moves within a second or so
+ENGINE_DEAD_EXIT_DELAY_S = 1.0
 
 
 class ServerState:
@@ -42,6 +47,9 @@ class ServerState:
         self.load_error: Optional[str] = None
         # Called with the message when the model cannot be loaded; __main__ stops the server.
         self.on_load_failure: Callable[[str], None] = lambda message: None
+        self.engine_died = False  # the engine loop died: the process must exit non-zero
+        # Called (on the event loop) a moment after the engine loop died; __main__ stops the server.
+        self.on_engine_dead: Callable[[], None] = lambda: None
         self.created = int(time.time())
         self.generations: "weakref.WeakSet[Generation]" = weakref.WeakSet()  # in flight, for the drain
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -72,12 +80,17 @@ class ServerState:
             logger.exception("loading the model failed")
             self._fail(f"{type(exc).__name__}: {exc}")
             return
-        async_engine = AsyncEngine(engine, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish)
+        async_engine = AsyncEngine(
+            engine, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish, on_dead=self._engine_thread_died
+        )
+        if faults.enabled():
+            faults.install(engine)
         self.metrics.bind(
             engine.model_name,
             num_running=lambda: engine.scheduler.num_running,
             num_waiting=lambda: async_engine.num_waiting,
             kv_usage=lambda: engine.kv.usage,
+            kv_blocks_used=lambda: engine.kv.num_blocks - engine.kv.num_free_blocks,
             healthy=lambda: 1.0 if self.engine_alive else 0.0,
         )
         async_engine.start()
@@ -89,6 +102,20 @@ class ServerState:
         self.load_error = message
         logger.error("cannot load the model: %s", message)
         self.on_load_failure(message)
+
+    def _engine_thread_died(self, exc: BaseException) -> None:
+        """AsyncEngine's on_dead, on the engine thread: its streams are failed already."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._engine_died, exc)
+
+    def _engine_died(self, exc: BaseException) -> None:
+        self.engine_died = True
+        logger.critical(
+            "the engine loop died (%s): /health answers 503; exiting in %gs so the server is restarted",
+            type(exc).__name__, ENGINE_DEAD_EXIT_DELAY_S,
+        )
+        assert self._loop is not None
+        self._loop.call_later(ENGINE_DEAD_EXIT_DELAY_S, self.on_engine_dead)
 
     def drain(self) -> None:
         """Shutdown, step one (any thread): refuse new work; cut what still runs after the timeout.
