@@ -45,6 +45,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         401: "Missing or wrong API key",
         404: "Unknown model",
         413: "Request body over the size limit",
+        415: "Request body not sent as application/json",
         429: "Waiting queue full; see Retry-After",
         503: "Model loading, engine stopped, or shutting down",
     }.items()
@@ -116,7 +117,7 @@ def create_app(config: ServiceConfig, state: Optional[ServerState] = None) -> Fa
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create_chat_completion(body, state, raw)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses={k: _ERRORS[k] for k in (400, 401, 404, 503)})
+    @app.post("/tokenize", response_model=TokenizeResponse, responses={k: _ERRORS[k] for k in (400, 401, 404, 413, 415, 503)})
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         state.check_model(body.model)
         engine, _ = state.engines()
@@ -128,7 +129,7 @@ def create_app(config: ServiceConfig, state: Optional[ServerState] = None) -> Fa
             ids = engine.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses={k: _ERRORS[k] for k in (400, 401, 404, 503)})
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses={k: _ERRORS[k] for k in (400, 401, 404, 413, 415, 503)})
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         state.check_model(body.model)
         engine, _ = state.engines()

@@ -24,6 +24,7 @@ _KINDS: dict[int, tuple[str, Optional[str]]] = {
     404: ("invalid_request_error", "invalid"),
     405: ("invalid_request_error", None),
     413: ("invalid_request_error", "too_large"),
+    415: ("invalid_request_error", "invalid"),
     429: ("rate_limit_error", "queue_full"),
     500: ("server_error", None),
     503: ("service_unavailable", None),

@@ -1,19 +1,26 @@
 """The gate every HTTP request passes before a route: API key, body size, drain; and HTTP metrics.
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware, which gets in the way of streaming and of
-disconnect detection).  ``/health`` and ``/metrics`` never need the key.  The body is read here,
-up to ``--max-request-bytes`` (413 beyond), and replayed to the app.
+disconnect detection).  ``/health`` and ``/metrics`` never need the key (compared in constant
+time).  The body is read here, up to ``--max-request-bytes`` (413 beyond), checked (415 for a
+content type that is not JSON, 400 for a lone UTF-16 surrogate escape, which no tokenizer can
+encode) and replayed to the app.  An unexpected exception in a route becomes a 500 in OpenAI's
+shape here, so the connection stays usable.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+import re
 from typing import Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import APIError
 from service.state import ServerState
+
+logger = logging.getLogger("service.errors")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 ROUTES = frozenset(
@@ -45,11 +52,12 @@ class GateMiddleware:
             return
         path = scope["path"]
         status = 500  # if the app raises before answering
+        started = False
 
         async def send_and_record(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
 
         try:
@@ -57,12 +65,19 @@ class GateMiddleware:
             if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 body, error = await self._read_body(scope, receive)
                 if error is None:
+                    error = _check_body(scope, body)
+                if error is None:
                     receive = _replay(body, receive)
             if error is not None:
                 self.state.metrics.rejected(error.reject_reason or "invalid")
                 await error.response()(scope, receive, send_and_record)
                 return
             await self.app(scope, receive, send_and_record)
+        except Exception:
+            logger.exception("unhandled error on %s %s", scope["method"], path)
+            if started:
+                raise  # mid-response: nothing sane to send; uvicorn closes the connection
+            await APIError(500, "internal server error").response()(scope, receive, send_and_record)
         finally:
             self.state.metrics.http_response(path if path in ROUTES else "other", status)
 
@@ -110,6 +125,39 @@ class GateMiddleware:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks), None
+
+
+# One JSON string escape: a surrogate pair (fine), a lone surrogate (captured), or any other escape.
+_ESCAPE = re.compile(
+    rb"\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|(?P<lone>u[dD][89a-fA-F][0-9a-fA-F]{2})|.)",
+    re.DOTALL,
+)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def has_lone_surrogate(body: bytes) -> bool:
+    """True if the JSON text escapes half a UTF-16 surrogate pair (``"\\ud800"``): not a character."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return False
+    return any(m.group("lone") for m in _ESCAPE.finditer(body))
+
+
+def _is_json_type(content_type: bytes) -> bool:
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+def _check_body(scope: Scope, body: bytes) -> Optional[APIError]:
+    for name, value in scope["headers"]:
+        if name == b"content-type" and value.strip() and not _is_json_type(value):
+            shown = value.decode("latin-1")[:100]
+            return APIError(415, f"the request body must be JSON (Content-Type: application/json), not '{shown}'")
+    if has_lone_surrogate(body):
+        return APIError(
+            400,
+            "the request body holds a lone UTF-16 surrogate escape (such as \\ud800); strings must be valid Unicode",
+        )
+    return None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
