@@ -25,6 +25,26 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# Fields with a "plain" validator lose their type in the generated JSON schema; these restore it
+# for the OpenAPI document (clients, fuzzers).
+_STOP_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "minItems": 1},
+    ]
+}
+
+
+def _schema(extra: dict[str, Any]) -> Any:
+    def update(schema: dict[str, Any]) -> None:
+        schema.update(extra)
+
+    return update
+
+
 def _check_stop(value: Any) -> Any:
     if value is None or isinstance(value, str):
         return value
@@ -42,7 +62,7 @@ class SamplingFields(_Request):
     top_p: Optional[float] = None  # None: 1.0
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Optional[Union[str, list[str]]] = Field(None, json_schema_extra=_schema(_STOP_SCHEMA))
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
@@ -69,7 +89,7 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Prompt
+    prompt: Prompt = Field(json_schema_extra=_schema(_PROMPT_SCHEMA))
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None  # 0..20 alternatives per position
     echo: bool = False
