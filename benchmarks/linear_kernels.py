@@ -13,6 +13,11 @@ weight bytes each kernel reads (bf16: 2 per weight; Q4_1: 0.625; Q8_0: 1.0625).
 
 Timings on a shared host are noisy: every figure is the best of several trials (each trial one
 pass over all copies), i.e. the uncontended speed.
+
+Measured on the 2-core AMD AVX-512 VNNI development host (logit std 4.2, median top-2 margin 1.2):
+64 teacher-forced greedy steps vs the dense float32 model, max |logit diff| / tokens agreeing:
+packed a16 fp32 0.013 / 64, packed a16 bf16 0.80 / 64, packed a8 fp32 1.44 / 63, packed a8 bf16
+1.69 / 63, dense bf16 0.85 / 64.  One decode token of linears: dense bf16 11.3 ms, packed 2.1 ms.
 """
 
 from __future__ import annotations
@@ -234,6 +239,7 @@ def accuracy(steps: int, isa: str | None) -> None:
     stats = {k: {"maxdiff": [], "agree": 0, "free": None} for k in variants}
     free_tokens = {k: [] for k in variants}
     generated: list[int] = []
+    scale: list[tuple[float, float]] = []  # (std, top-1 minus top-2) of the reference logits per step
     with torch.inference_mode():
         pos = 0
         for t in ids[:-1]:
@@ -245,6 +251,8 @@ def accuracy(steps: int, isa: str | None) -> None:
         for _ in range(steps):
             r = ref.step(cur, pos)
             nxt = int(r.argmax())
+            top2 = r.topk(2).values
+            scale.append((r.std().item(), (top2[0] - top2[1]).item()))
             for name, d in variants.items():
                 o = d.step(cur, pos)
                 stats[name]["maxdiff"].append((o - r).abs().max().item())
@@ -254,6 +262,10 @@ def accuracy(steps: int, isa: str | None) -> None:
             cur, pos = nxt, pos + 1
     print(f"\naccuracy vs dense float32 over {steps} greedy decode steps (teacher-forced on the reference tokens):")
     print(f"reference text: {tok.decode(generated)!r}")
+    print(
+        f"reference logits: std {statistics.median(s for s, _ in scale):.2f}, top-1 minus top-2 margin "
+        f"median {statistics.median(m for _, m in scale):.2f}, min {min(m for _, m in scale):.3f}"
+    )
     for name, s in stats.items():
         md = s["maxdiff"]
         print(
