@@ -25,6 +25,10 @@ from service.config import DEFAULT_MAX_REQUEST_BYTES, ServiceConfig
 
 ENV_PREFIX = "CPUSERVE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# Idle keep-alive connections stay open this long.  Longer than clients keep them (httpx and the
+# openai client: 5 s; load balancers: 60 s), so a client never sends a request on a connection the
+# server is closing at that instant (uvicorn's default, 5 s, races httpx's: a POST lost to a reset).
+KEEP_ALIVE_S = 75
 logger = logging.getLogger("service")
 
 
@@ -167,6 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             access_log=config.log_level == "debug",  # the service logs one line per finished request itself
             # a backstop only: the drain ends unfinished requests itself at --shutdown-timeout
             timeout_graceful_shutdown=config.shutdown_timeout + 5,
+            timeout_keep_alive=KEEP_ALIVE_S,
             lifespan="on",
         ),
         state,
