@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention.layer import Attention
 from engine.config import CacheConfig, ModelConfig
-from engine.layers.fused import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from engine.layers.fused import add_rms_norm_, apply_rope_, silu_and_mul
 from engine.layers.linear import Linear
 
 
@@ -25,7 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        """(norm(x + residual), x + residual), computed in place: x and residual are consumed."""
+        return add_rms_norm_(x, residual, self.weight, self.eps)
 
 
 def rope_cos_sin(config: ModelConfig, max_positions: int) -> torch.Tensor:
@@ -77,7 +78,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = apply_rope(positions, q, k, cos_sin, self.head_dim)
+        q, k = apply_rope_(positions, q, k, cos_sin, self.head_dim)  # in place: q, k stay views of qkv
         return self.o_proj(self.attn(q, k, v))
 
 
