@@ -7,6 +7,8 @@ runs the step loop on its own thread for the HTTP service.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import itertools
 import logging
 import os
@@ -81,6 +83,7 @@ class LLMEngine:
         self._arrival_seq = itertools.count()
         # Test-only fault injection: called with each step's SchedulerOutput before the model runs.
         self.fault_hook: Optional[Callable[[SchedulerOutput], None]] = None
+        _release_freed_memory()
         self.load_time_s = time.monotonic() - t0
         logger.info(
             "engine ready in %.1fs: %s, %d layers, dtype %s, KV cache %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
@@ -357,6 +360,15 @@ class LLMEngine:
             e2e_s=end - t.arrival,
             tpot_s=tpot,
         )
+
+
+def _release_freed_memory() -> None:
+    """Hand the loader's temporary buffers back to the OS (glibc keeps freed heap otherwise: ~300 MB of RSS)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def default_model_name(source: str) -> str:
