@@ -1,0 +1,676 @@
+#!/usr/bin/env python
+"""Soak test: mixed traffic against a cpuserve server for a set time, then account for every request.
+
+Loopback only, and bounded: ``--duration`` seconds of traffic (at most a day), at most
+``--max-requests`` requests, at most ``--concurrency`` in flight (each one given up after
+``--request-timeout`` s).  Without ``--base-url`` it starts its own server (``python -m service`` on a
+free loopback port, a small KV cache and queue so memory pressure, preemption and 429s happen),
+stops it with SIGTERM at the end and checks that it exits 0.
+
+Traffic, each client looping: streaming and plain completions and chat completions (greedy and
+sampled, ``n`` = 1 or 2, stop strings, logprobs), cancellations (streams closed after a few events or
+before the first, plain requests given up after a random delay), and bad requests (malformed JSON, a
+wrong type, token ids outside the vocabulary, a lone surrogate, a prompt over the context, ``n`` too
+large, an unknown model, a wrong content type, a missing API key, a body over the size limit).  A
+client turned away with 429 waits 0.1-1 s before its next request.
+
+Every request ends in exactly one outcome:
+
+- completed: 200 and a complete answer (every choice has a finish reason; a stream ends in ``[DONE]``)
+- rejected:  429 (with ``Retry-After``) or 503: the server turned it away at once, as designed
+- cancelled: the client went away on purpose (the server must abort it and free its blocks)
+- refused:   a bad request answered with the expected 4xx in OpenAI's error shape
+- errored:   a 5xx, an error event in a stream, or a bad request answered wrongly
+- lost:      no answer within ``--request-timeout``, or a connection that broke mid-answer
+
+Printed at the end (and written as JSON with ``--json-out``): those counts, KV-cache blocks still in
+use once the server is idle, the server's resident memory at start, peak and end, and TTFT
+percentiles of streamed requests.  Exit status 1 if anything was lost or errored, blocks were left
+in use, ``/health`` failed during the run, or the server it started did not exit 0.
+
+    python benchmarks/soak.py --duration 600                     # own server, 10 minutes
+    python benchmarks/soak.py --base-url http://127.0.0.1:8000 --api-key KEY --server-pid PID
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_DURATION_S = 24 * 3600
+MAX_CONCURRENCY = 512
+OUTCOMES = ("completed", "rejected", "cancelled", "refused", "errored", "lost")
+# The server this script starts: small enough that preemption and 429s happen at the default concurrency.
+DEFAULT_SERVER_ARGS = (
+    "--threads 1 --max-model-len 512 --kv-cache-gb 0.02 --max-num-seqs 8 --max-queue 16 "
+    "--max-num-batched-tokens 256 --shutdown-timeout 10"
+)
+SERVER_ENV_PREFIX = "CPUSERVE_"
+WORDS = (
+    "the a river mountain quick brown fox jumps over lazy dog music ocean city night star light code "
+    "python engine server cache token memory garden winter summer story old new house road bird tree "
+    "stone cloud rain fire water book letter song dream market train window door friend teacher"
+).split()
+OVERSIZE_BYTES = 5 * 2**20  # over the service's default 4 MiB body limit
+
+
+# --------------------------------------------------------------------------------------------------
+# Outcomes
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    kind: str
+    outcome: str
+    status: Optional[int] = None
+    detail: str = ""
+    latency_s: float = 0.0
+    ttft_s: Optional[float] = None
+
+
+@dataclass
+class Stats:
+    records: list[Record] = field(default_factory=list)
+    in_flight: int = 0
+    sent: int = 0
+
+    def add(self, rec: Record) -> None:
+        self.records.append(rec)
+
+    def counts(self) -> Counter:
+        return Counter(r.outcome for r in self.records)
+
+
+def _pct(values: Sequence[float], p: float) -> Optional[float]:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def _is_openai_error(body: Any) -> bool:
+    err = body.get("error") if isinstance(body, dict) else None
+    return isinstance(err, dict) and isinstance(err.get("message"), str) and isinstance(err.get("type"), str)
+
+
+# --------------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------------
+
+
+class Traffic:
+    """Builds and sends one request of a randomly chosen kind; returns its Record, never raises."""
+
+    KINDS = {  # kind -> weight
+        "completion": 20,
+        "completion_stream": 20,
+        "chat": 10,
+        "chat_stream": 10,
+        "cancel_stream": 8,
+        "cancel_early": 4,
+        "cancel_plain": 6,
+        "bad": 12,
+    }
+
+    def __init__(self, client: httpx.AsyncClient, model: str, api_key: Optional[str], max_model_len: int,
+                 timeout: float) -> None:
+        self.client = client
+        self.model = model
+        self.api_key = api_key
+        self.max_model_len = max_model_len
+        self.timeout = timeout
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._oversize: Optional[bytes] = None
+
+    def pick(self, rng: random.Random) -> str:
+        kinds, weights = zip(*self.KINDS.items())
+        return rng.choices(kinds, weights)[0]
+
+    # --- payloads ---------------------------------------------------------------------------------
+
+    def _text(self, rng: random.Random, lo: int = 3, hi: int = 60) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    def _sampling(self, rng: random.Random) -> dict:
+        body: dict[str, Any] = {"max_tokens": rng.randint(1, 48)}
+        if rng.random() < 0.5:
+            body["temperature"] = 0.0
+        else:
+            body["temperature"] = rng.choice([0.7, 1.0])
+            body["seed"] = rng.randint(0, 2**31)
+        if rng.random() < 0.3:
+            body["ignore_eos"] = True
+        if rng.random() < 0.15:
+            body["n"] = 2
+        if rng.random() < 0.15:
+            body["stop"] = [rng.choice(WORDS), "\n\n"]
+        return body
+
+    def completion(self, rng: random.Random, stream: bool) -> dict:
+        # one in ten is long (a few hundred tokens): chunked prefill, and preemption in a small KV cache
+        words = self._text(rng, 250, 400) if rng.random() < 0.1 else self._text(rng)
+        body = {"model": self.model, "prompt": words, "stream": stream, **self._sampling(rng)}
+        if rng.random() < 0.1:
+            body["logprobs"] = rng.randint(0, 3)
+        if stream and rng.random() < 0.5:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def chat(self, rng: random.Random, stream: bool) -> dict:
+        messages = [{"role": "user", "content": self._text(rng, 2, 30)}]
+        if rng.random() < 0.3:
+            messages.insert(0, {"role": "system", "content": "You are brief."})
+        return {"model": self.model, "messages": messages, "stream": stream, **self._sampling(rng)}
+
+    def bad(self, rng: random.Random) -> tuple[str, str, bytes, dict, set[int]]:
+        """(name, path, body, extra headers, acceptable statuses) of one request that must be refused."""
+        good = {"model": self.model, "prompt": "hello", "max_tokens": 2}
+        js = {"Content-Type": "application/json"}
+
+        def enc(obj: Any) -> bytes:
+            return json.dumps(obj).encode()
+
+        choices: list[tuple[str, str, bytes, dict, set[int]]] = [
+            ("malformed_json", "/v1/completions", b'{"model": "x", "prompt": ', js, {400}),
+            ("wrong_type", "/v1/completions", enc({**good, "max_tokens": "ten"}), js, {400}),
+            ("token_out_of_vocab", "/v1/completions", enc({**good, "prompt": [2**31 - 1]}), js, {400}),
+            ("lone_surrogate", "/v1/completions", b'{"model": "%s", "prompt": "a\\ud800b"}' % self.model.encode(), js, {400}),
+            ("over_context", "/v1/completions", enc({**good, "prompt": [17] * (self.max_model_len + 5)}), js, {400}),
+            ("n_too_large", "/v1/completions", enc({**good, "n": 10_000}), js, {400}),
+            ("bad_logit_bias", "/v1/completions", enc({**good, "logit_bias": {"banana": 1}}), js, {400}),
+            ("unknown_model", "/v1/completions", enc({**good, "model": "no-such-model"}), js, {404}),
+            ("wrong_content_type", "/v1/completions", enc(good), {"Content-Type": "text/plain"}, {415}),
+            ("bad_chat", "/v1/chat/completions", enc({"model": self.model, "messages": []}), js, {400}),
+            ("unknown_route", "/v1/nothing", enc(good), js, {404}),
+        ]
+        if self.api_key:
+            choices.append(("no_api_key", "/v1/completions", enc(good), {**js, "Authorization": ""}, {401}))
+        if rng.random() < 0.03:
+            if self._oversize is None:
+                self._oversize = b'{"model": "x", "prompt": "' + b"y" * OVERSIZE_BYTES + b'"}'
+            return "oversize_body", "/v1/completions", self._oversize, js, {413}
+        return rng.choice(choices)
+
+    # --- sending ----------------------------------------------------------------------------------
+
+    async def run(self, kind: str, rng: random.Random) -> Record:
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout):
+                if kind == "bad":
+                    rec = await self._bad(rng)
+                elif kind in ("completion", "chat"):
+                    body = self.completion(rng, False) if kind == "completion" else self.chat(rng, False)
+                    rec = await self._plain(kind, body)
+                elif kind in ("completion_stream", "chat_stream"):
+                    stream_chat = kind == "chat_stream"
+                    body = self.chat(rng, True) if stream_chat else self.completion(rng, True)
+                    rec = await self._stream(kind, body, t0, stream_chat)
+                elif kind == "cancel_stream":
+                    body = self.completion(rng, True) | {"max_tokens": rng.randint(16, 64), "ignore_eos": True}
+                    rec = await self._stream(kind, body, t0, False, cancel_after=rng.randint(1, 4))
+                elif kind == "cancel_early":  # gone before the first event: often while queued or in prefill
+                    body = self.chat(rng, True) | {"max_tokens": 32}
+                    rec = await self._stream(kind, body, t0, True, cancel_after=0)
+                elif kind == "cancel_plain":
+                    body = self.completion(rng, False) | {"max_tokens": rng.randint(16, 64), "ignore_eos": True}
+                    rec = await self._plain(kind, body, give_up_after=rng.uniform(0.05, 1.5))
+                else:
+                    raise ValueError(kind)
+        except TimeoutError:
+            rec = Record(kind, "lost", detail=f"no answer within {self.timeout:g}s")
+        except httpx.HTTPError as exc:
+            rec = Record(kind, "lost", detail=f"{type(exc).__name__}: {exc}"[:300])
+        except Exception as exc:  # noqa: BLE001 - a malformed answer is an error, never a crash of the soak
+            rec = Record(kind, "errored", detail=f"{type(exc).__name__}: {exc}"[:300])
+        rec.latency_s = time.monotonic() - t0
+        return rec
+
+    def _refusal(self, kind: str, resp: httpx.Response, body: Any) -> Optional[Record]:
+        """429 / 503 with OpenAI's body: rejected; any other non-200: errored."""
+        if resp.status_code == 200:
+            return None
+        if resp.status_code in (429, 503) and _is_openai_error(body):
+            if resp.status_code == 429 and not resp.headers.get("Retry-After", "").isdigit():
+                return Record(kind, "errored", resp.status_code, "429 without Retry-After")
+            return Record(kind, "rejected", resp.status_code)
+        return Record(kind, "errored", resp.status_code, str(body)[:300])
+
+    async def _plain(self, kind: str, body: dict, give_up_after: Optional[float] = None) -> Record:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        task = asyncio.ensure_future(self.client.post(path, json=body, headers=self.headers))
+        if give_up_after is not None:
+            done, _ = await asyncio.wait({task}, timeout=give_up_after)
+            if not done:
+                task.cancel()  # closes the connection: the server must abort the request
+                try:
+                    await task
+                except (asyncio.CancelledError, httpx.HTTPError):
+                    pass
+                return Record(kind, "cancelled")
+        resp = await task
+        data = resp.json()
+        refusal = self._refusal(kind, resp, data)
+        if refusal is not None:
+            return refusal
+        want = body.get("n", 1)
+        choices = data.get("choices") or []
+        if len(choices) != want or any(c.get("finish_reason") not in ("stop", "length") for c in choices):
+            return Record(kind, "errored", 200, f"incomplete answer: {str(data)[:300]}")
+        usage = data.get("usage") or {}
+        if not 0 < usage.get("completion_tokens", 0) <= want * body["max_tokens"]:
+            return Record(kind, "errored", 200, f"bad usage: {usage}")
+        return Record(kind, "completed", 200)
+
+    async def _stream(self, kind: str, body: dict, t0: float, chat: bool, cancel_after: Optional[int] = None) -> Record:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        want = body.get("n", 1)
+        finished: set[int] = set()
+        ttft: Optional[float] = None
+        events = 0
+        async with self.client.stream("POST", path, json=body, headers=self.headers) as resp:
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                try:
+                    data = json.loads(raw)
+                except ValueError:
+                    data = raw.decode("utf-8", "replace")
+                refusal = self._refusal(kind, resp, data)
+                assert refusal is not None
+                return refusal
+            if cancel_after == 0:
+                return Record(kind, "cancelled", 200)  # leaving the block closes the connection
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    if len(finished) != want:
+                        return Record(kind, "errored", 200, f"[DONE] with {len(finished)}/{want} choices finished")
+                    return Record(kind, "completed", 200, ttft_s=ttft)
+                msg = json.loads(data)
+                if "error" in msg:
+                    return Record(kind, "errored", 200, f"error event: {msg['error']}"[:300])
+                for choice in msg.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if text and ttft is None:
+                        ttft = time.monotonic() - t0
+                    if choice.get("finish_reason") is not None:
+                        finished.add(choice["index"])
+                events += 1
+                if cancel_after is not None and events >= cancel_after:
+                    return Record(kind, "cancelled", 200)
+        if cancel_after is not None and len(finished) == want:
+            return Record(kind, "completed", 200, ttft_s=ttft)  # it finished before we could cancel it
+        return Record(kind, "lost", 200, "the stream ended without [DONE]")
+
+    async def _bad(self, rng: random.Random) -> Record:
+        name, path, content, headers, expect = self.bad(rng)
+        hdrs = {**self.headers, **headers}
+        if hdrs.get("Authorization") == "":
+            del hdrs["Authorization"]
+        resp = await self.client.post(path, content=content, headers=hdrs)
+        try:
+            data = resp.json()
+        except ValueError:
+            data = resp.text
+        kind = f"bad:{name}"
+        if resp.status_code in expect and _is_openai_error(data):
+            return Record(kind, "refused", resp.status_code)
+        if resp.status_code in (429, 503) and _is_openai_error(data):
+            return Record(kind, "rejected", resp.status_code)
+        return Record(kind, "errored", resp.status_code, f"expected {sorted(expect)}: {str(data)[:200]}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The server: started here, or given
+# --------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_loopback(url: str) -> None:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise SystemExit(f"error: --base-url must be a loopback address (127.0.0.1, ::1, localhost), not {host!r}")
+
+
+class OwnServer:
+    def __init__(self, extra_args: Sequence[str], api_key: str, log_path: Path, python: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if not k.startswith(SERVER_ENV_PREFIX)}
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = [python, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port), "--api-key", api_key,
+               *extra_args]
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server was not healthy after {timeout:g}s; log: {self.log_path}")
+
+    def stop(self, grace: float = 60) -> Optional[int]:
+        """SIGTERM (the graceful drain), SIGKILL after ``grace`` s; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+                return None
+        return self.proc.returncode
+
+
+def rss_bytes(pid: Optional[int]) -> Optional[int]:
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
+    """``/metrics`` -> {sample name with labels but model_name: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = await client.get("/metrics")
+    resp.raise_for_status()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+async def wait_idle(client: httpx.AsyncClient, timeout: float) -> dict[str, float]:
+    """Metrics once nothing runs or waits (aborts land between engine steps), or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = await scrape(client)
+        idle = m.get("cpuserve:num_requests_running", 1) == 0 and m.get("cpuserve:num_requests_waiting", 1) == 0
+        if (idle and m.get("cpuserve:kv_cache_blocks_used", 0) == 0) or time.monotonic() > deadline:
+            return m
+        await asyncio.sleep(0.25)
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------
+
+
+async def soak(args: argparse.Namespace, base_url: str, api_key: Optional[str], pid: Optional[int],
+               log: Any) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(args.request_timeout)) as client:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        model = (await client.get("/v1/models", headers=headers)).json()["data"][0]
+        traffic = Traffic(client, model["id"], api_key, model["max_model_len"], args.request_timeout)
+        before = await scrape(client)
+        rss_start = rss_bytes(pid)
+        stats = Stats()
+        health_failures: list[str] = []
+        rss_peak = [rss_start or 0]
+        t_start = time.monotonic()
+        deadline = t_start + args.duration
+
+        async def worker(i: int) -> None:
+            rng = random.Random(args.seed * 100_003 + i)
+            while time.monotonic() < deadline and stats.sent < args.max_requests:
+                stats.sent += 1
+                stats.in_flight += 1
+                try:
+                    rec = await traffic.run(traffic.pick(rng), rng)
+                    stats.add(rec)
+                finally:
+                    stats.in_flight -= 1
+                if rec.outcome == "rejected":  # a polite client: back off for part of Retry-After (1 s)
+                    await asyncio.sleep(rng.uniform(0.1, 1.0))
+
+        async def monitor() -> None:
+            last_report = time.monotonic()
+            while True:
+                await asyncio.sleep(2)
+                try:
+                    r = await client.get("/health", timeout=10)
+                    if r.status_code != 200:
+                        health_failures.append(f"{time.monotonic() - t_start:.0f}s: {r.status_code}")
+                except httpx.HTTPError as exc:
+                    health_failures.append(f"{time.monotonic() - t_start:.0f}s: {type(exc).__name__}")
+                rss = rss_bytes(pid)
+                if rss:
+                    rss_peak[0] = max(rss_peak[0], rss)
+                if time.monotonic() - last_report >= args.progress_every:
+                    last_report = time.monotonic()
+                    c = stats.counts()
+                    print(f"[{time.monotonic() - t_start:6.0f}s] sent {stats.sent} "
+                          + " ".join(f"{k} {c.get(k, 0)}" for k in OUTCOMES)
+                          + (f" rss {rss / 2**20:.0f} MiB" if rss else ""), file=log, flush=True)
+
+        mon = asyncio.create_task(monitor())
+        try:
+            await asyncio.gather(*(worker(i) for i in range(args.concurrency)))
+        finally:
+            mon.cancel()
+        traffic_s = time.monotonic() - t_start
+        after = await wait_idle(client, timeout=60)
+        rss_end = rss_bytes(pid)
+
+    counts = stats.counts()
+    ttfts = [r.ttft_s for r in stats.records if r.ttft_s is not None]
+    completed_lat = [r.latency_s for r in stats.records if r.outcome == "completed"]
+    rejected_lat = [r.latency_s for r in stats.records if r.outcome == "rejected"]
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    problems = [f"{r.kind}: {r.outcome} {r.status or ''} {r.detail}" for r in stats.records
+                if r.outcome in ("errored", "lost")]
+    return {
+        "duration_s": round(traffic_s, 1),
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+        "sent": stats.sent,
+        **{k: counts.get(k, 0) for k in OUTCOMES},
+        "accounted": sum(counts.values()),
+        "kv_blocks_in_use_end": int(after.get("cpuserve:kv_cache_blocks_used", -1)),
+        "running_end": int(after.get("cpuserve:num_requests_running", -1)),
+        "waiting_end": int(after.get("cpuserve:num_requests_waiting", -1)),
+        "rss_start_mib": round(rss_start / 2**20, 1) if rss_start else None,
+        "rss_peak_mib": round(rss_peak[0] / 2**20, 1) if rss_peak[0] else None,
+        "rss_end_mib": round(rss_end / 2**20, 1) if rss_end else None,
+        "ttft_p50_s": _round(_pct(ttfts, 50)),
+        "ttft_p99_s": _round(_pct(ttfts, 99)),
+        "completed_latency_p99_s": _round(_pct(completed_lat, 99)),
+        "completed_latency_max_s": _round(max(completed_lat, default=None)),
+        "rejected_latency_max_s": _round(max(rejected_lat, default=None)),
+        "health_failures": health_failures,
+        "by_kind": {k: dict(Counter(r.outcome for r in stats.records if r.kind == k))
+                    for k in sorted({r.kind for r in stats.records})},
+        "server": {
+            "finished": {reason: delta(f"cpuserve:requests_finished_total{{finish_reason={reason}}}")
+                         for reason in ("stop", "length", "abort", "error")},
+            "rejected": {reason: delta(f"cpuserve:requests_rejected_total{{reason={reason}}}")
+                         for reason in ("queue_full", "invalid", "unauthorized", "too_large")},
+            "preemptions": delta("cpuserve:preemptions_total"),
+            "generation_tokens": delta("cpuserve:generation_tokens_total"),
+        },
+        "problems": problems[:50],
+    }
+
+
+def _round(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x, 3)
+
+
+def report(r: dict[str, Any]) -> str:
+    def mib(x: Optional[float]) -> str:
+        return "n/a" if x is None else f"{x:.0f} MiB"
+
+    def sec(x: Optional[float]) -> str:
+        return "n/a" if x is None else f"{x:.3f} s"
+
+    lines = [
+        f"soak: {r['duration_s']:.0f} s of traffic, concurrency {r['concurrency']}, seed {r['seed']}",
+        f"  requests sent        {r['sent']}",
+        f"  completed            {r['completed']}",
+        f"  rejected (429/503)   {r['rejected']}",
+        f"  cancelled by client  {r['cancelled']}",
+        f"  refused (bad input)  {r['refused']}",
+        f"  errored              {r['errored']}",
+        f"  lost                 {r['lost']}   (must be 0)",
+        f"  accounted for        {r['accounted']} of {r['sent']}",
+        f"  KV blocks in use end {r['kv_blocks_in_use_end']}   (must be 0)",
+        f"  resident memory      start {mib(r['rss_start_mib'])}, peak {mib(r['rss_peak_mib'])}, end {mib(r['rss_end_mib'])}",
+        f"  TTFT (streams)       p50 {sec(r['ttft_p50_s'])}, p99 {sec(r['ttft_p99_s'])}",
+        f"  completed latency    p99 {sec(r['completed_latency_p99_s'])}, max {sec(r['completed_latency_max_s'])}",
+        f"  429/503 latency max  {sec(r['rejected_latency_max_s'])}",
+        f"  /health failures     {len(r['health_failures'])}",
+        f"  server: finished {r['server']['finished']}, preemptions {r['server']['preemptions']:.0f}, "
+        f"rejected {r['server']['rejected']}",
+    ]
+    if "server_exit_status" in r:
+        lines.append(f"  server exit status   {r['server_exit_status']} after SIGTERM (must be 0)")
+        lines.append(f"  server log errors    {r['server_log_errors']} (ERROR / CRITICAL lines, tracebacks)")
+    for p in r["problems"][:10]:
+        lines.append(f"  problem: {p}")
+    return "\n".join(lines)
+
+
+def failures(r: dict[str, Any]) -> list[str]:
+    out = []
+    if r["lost"]:
+        out.append(f"{r['lost']} request(s) lost")
+    if r["errored"]:
+        out.append(f"{r['errored']} request(s) errored")
+    if r["accounted"] != r["sent"]:
+        out.append(f"{r['sent'] - r['accounted']} request(s) unaccounted for")
+    if r["kv_blocks_in_use_end"] != 0:
+        out.append(f"{r['kv_blocks_in_use_end']} KV block(s) still in use")
+    if r["health_failures"]:
+        out.append(f"/health failed {len(r['health_failures'])} time(s)")
+    if r.get("server_exit_status", 0) != 0:
+        out.append(f"the server exited with {r['server_exit_status']} after SIGTERM")
+    if r.get("server_log_errors", 0):
+        out.append(f"{r['server_log_errors']} error line(s) in the server log")
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", help="a running server (loopback only); default: start one")
+    p.add_argument("--api-key", help="the running server's API key (with --base-url)")
+    p.add_argument("--server-pid", type=int, help="the running server's pid, for its resident memory (with --base-url)")
+    p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
+                   help="flags for the server this script starts (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=32, help="clients, each one request at a time (default: %(default)s)")
+    p.add_argument("--max-requests", type=int, default=1_000_000, help="stop sending after this many (default: %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=120.0,
+                   help="a request with no complete answer after this many seconds is lost (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--progress-every", type=float, default=30.0, help="seconds between progress lines on stderr")
+    p.add_argument("--json-out", help="write the figures here as JSON")
+    p.add_argument("--server-log", help="where the started server logs (default: a temporary file)")
+    a = p.parse_args(argv)
+    if not 0 < a.duration <= MAX_DURATION_S:
+        p.error(f"--duration must be in (0, {MAX_DURATION_S}]")
+    if not 1 <= a.concurrency <= MAX_CONCURRENCY:
+        p.error(f"--concurrency must be in [1, {MAX_CONCURRENCY}]")
+    if a.max_requests < 1 or a.request_timeout <= 0:
+        p.error("--max-requests and --request-timeout must be positive")
+    if a.base_url:
+        check_loopback(a.base_url)
+    return a
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    server: Optional[OwnServer] = None
+    result: dict[str, Any]
+    try:
+        if args.base_url:
+            base_url, api_key, pid = args.base_url.rstrip("/"), args.api_key, args.server_pid
+        else:
+            api_key = secrets.token_urlsafe(16)
+            log_path = Path(args.server_log) if args.server_log else Path(tempfile.mkstemp(prefix="soak-server-", suffix=".log")[1])
+            print(f"starting the server (log: {log_path}) ...", file=sys.stderr, flush=True)
+            server = OwnServer(args.server_args.split(), api_key, log_path, sys.executable)
+            server.wait_healthy(args.startup_timeout)
+            base_url, pid = server.url, server.proc.pid
+        print(f"soaking {base_url} for {args.duration:g}s at concurrency {args.concurrency} ...", file=sys.stderr, flush=True)
+        result = asyncio.run(soak(args, base_url, api_key, pid, sys.stderr))
+        if server is not None:
+            result["server_exit_status"] = server.stop()
+            log_text = server.log_path.read_text(errors="replace")
+            result["server_log_errors"] = sum(1 for line in log_text.splitlines()
+                                              if " ERROR " in line or " CRITICAL " in line or line.startswith("Traceback"))
+            server = None
+    finally:
+        if server is not None:
+            server.stop(grace=15)
+    print(report(result))
+    bad = failures(result)
+    result["ok"] = not bad
+    result["failures"] = bad
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    if bad:
+        print("FAILED: " + "; ".join(bad))
+        return 1
+    print("OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
