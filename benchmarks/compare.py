@@ -183,6 +183,56 @@ class RssSampler(threading.Thread):
         self.join(timeout=5)
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_busy_s() -> float:
+    """CPU seconds spent busy machine-wide (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / _CLK_TCK  # minus idle and iowait; guest time is within user
+
+
+def _tree_cpu_s(pids: set[int]) -> float:
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                s = f.read()
+        except OSError:
+            continue
+        fields = s[s.rfind(")") + 2:].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _CLK_TCK
+
+
+class NoiseMeter:
+    """CPU used by processes other than the server under test and this benchmark, in cores, over a span.
+
+    Other sessions share this machine; with a 2-thread server on 2 cores even a little foreign load distorts
+    the numbers, so every workload records it and the table flags disturbed ones.
+    """
+
+    def __init__(self, srv: "Server"):
+        self.srv = srv
+        self.t0 = time.monotonic()
+        self.busy0 = _cpu_busy_s()
+        self.mine0 = _tree_cpu_s(srv.tree()) + self._self_cpu()
+        self.pids0 = set(srv.seen_pids)
+
+    @staticmethod
+    def _self_cpu() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def cores(self) -> float:
+        dt = time.monotonic() - self.t0
+        pids = self.srv.tree() | self.pids0
+        mine = _tree_cpu_s(pids) + self._self_cpu() - self.mine0
+        other = _cpu_busy_s() - self.busy0 - mine
+        return max(0.0, other / dt) if dt > 0 else 0.0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -437,13 +487,16 @@ def run_engine(engine: str, a: argparse.Namespace, workloads: list[Workload], pr
                                  timeout=a.timeout, label=f"{engine} {w.title}")
             if not srv.alive():
                 raise RuntimeError(f"{engine} died; log: {srv.log_path}\n{tail(srv.log_path)}")
+            noise = NoiseMeter(srv)
             m = bs.run_benchmark_sync(cfg, tokenizer=tokenizer, prompts=prompts[w.name])
+            m["other_cpu_cores"] = noise.cores()
             res["workloads"][w.name] = m
             if a.verbose:
                 print(bs.format_report(m), file=sys.stderr)
             print(f"[{engine}] {w.title}: {m['completed']}/{m['num_prompts']} ok, "
                   f"{m['output_throughput']:.1f} tok/s, TPOT p50 {m['median_tpot_ms']:.1f} ms, "
-                  f"TTFT p50 {m['median_ttft_ms']:.0f} ms" + (f", errors: {m['errors'][:2]}" if m["failed"] else ""),
+                  f"TTFT p50 {m['median_ttft_ms']:.0f} ms, other processes {m['other_cpu_cores']:.2f} cores"
+                  + (f", errors: {m['errors'][:2]}" if m["failed"] else ""),
                   file=sys.stderr)
         sampler.stop()
         res["peak_rss_mb"] = sampler.peak / 2**20
@@ -462,6 +515,7 @@ def run_engine(engine: str, a: argparse.Namespace, workloads: list[Workload], pr
 # Table
 # --------------------------------------------------------------------------------------------------
 
+NOISY_CORES = 0.15
 # (key in bench metrics, label, higher is better)
 METRICS = [("output_throughput", "output tok/s", True), ("median_tpot_ms", "TPOT p50 (ms)", False),
            ("median_ttft_ms", "TTFT p50 (ms)", False)]
@@ -516,6 +570,12 @@ def markdown_table(results: dict[str, dict], workloads: list[Workload]) -> str:
     lines.append("")
     lines.append("Every ratio is oriented so that > 1 means ours is better (throughput: ours/peer; latency, "
                  "start-up and memory: peer/ours).")
+    noisy = [f"{ENGINE_TITLES[e]} {w.title}: {m['other_cpu_cores']:.2f}"
+             for e, r in results.items() for w in workloads
+             if (m := r["workloads"].get(w.name)) and m.get("other_cpu_cores", 0) > NOISY_CORES]
+    if noisy:
+        lines += ["", f"Disturbed runs (other processes used more than {NOISY_CORES} cores on average meanwhile; "
+                      "rerun on a quiet machine): " + "; ".join(noisy)]
     errs = [f"- {ENGINE_TITLES[e]}: {r['error'].splitlines()[0]}" for e, r in results.items() if r.get("error")]
     if errs:
         lines += ["", "Errors:"] + errs
