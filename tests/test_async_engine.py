@@ -1,0 +1,90 @@
+"""AsyncEngine on a fake engine: the queue limit counts sequences, and a dying loop fails every
+stream and calls on_dead."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from engine.request import SamplingParams
+
+
+class FakeEngine:
+    def __init__(self, max_waiting: int) -> None:
+        self.config = SimpleNamespace(scheduler=SimpleNamespace(max_waiting=max_waiting))
+        self.scheduler = SimpleNamespace(num_waiting=0)
+        self.added: list[str] = []
+        self.step_error: BaseException | None = None
+
+    def validate(self, prompt_ids, params) -> None:  # noqa: ANN001
+        pass
+
+    def add_request(self, rid, prompt_ids, params, priority, arrival) -> None:  # noqa: ANN001
+        self.added.append(rid)
+        self.scheduler.num_waiting += params.n  # nothing is ever scheduled: they all wait
+
+    def has_unfinished(self) -> bool:
+        return bool(self.added)
+
+    def step(self):  # noqa: ANN201
+        if self.step_error is not None:
+            raise self.step_error
+        time.sleep(0.01)
+        return [], None, []
+
+    def abort_request(self, rid):  # noqa: ANN001, ANN201
+        return []
+
+
+def test_queue_limit_counts_sequences_and_an_empty_queue_takes_any_n() -> None:
+    async def run() -> None:
+        ae = AsyncEngine(FakeEngine(max_waiting=4))
+        ae.start()
+        ae.add_request("a", [1], SamplingParams(n=10))  # the queue is empty: taken, whatever n
+        assert ae.num_waiting == 10
+        with pytest.raises(QueueFullError):
+            ae.add_request("b", [1], SamplingParams(n=1))
+        ae.stop()
+        ae2 = AsyncEngine(FakeEngine(max_waiting=4))
+        ae2.start()
+        ae2.add_request("a", [1], SamplingParams(n=3))
+        with pytest.raises(QueueFullError):
+            ae2.add_request("b", [1], SamplingParams(n=2))  # 3 + 2 > 4
+        ae2.add_request("c", [1], SamplingParams(n=1))  # 3 + 1 = 4
+        await asyncio.sleep(0.1)  # handed to the (fake) scheduler: still counted
+        assert ae2.num_waiting == 4
+        with pytest.raises(QueueFullError):
+            ae2.add_request("d", [1], SamplingParams(n=1))
+        ae2.stop()
+
+    asyncio.run(run())
+
+
+class Death(BaseException):
+    pass
+
+
+def test_a_dying_loop_fails_every_stream_and_calls_on_dead() -> None:
+    async def run() -> None:
+        engine = FakeEngine(max_waiting=8)
+        engine.step_error = Death("boom")
+        called = threading.Event()
+        seen: list[BaseException] = []
+        ae = AsyncEngine(engine, on_dead=lambda exc: (seen.append(exc), called.set()))
+        ae.start()
+        stream = ae.add_request("a", [1], SamplingParams())
+        with pytest.raises(EngineDeadError, match="Death"):
+            async for _ in stream:
+                pass
+        assert await asyncio.to_thread(called.wait, 5)
+        assert isinstance(seen[0], Death) and not ae.healthy
+        with pytest.raises(EngineDeadError):
+            ae.add_request("b", [1], SamplingParams())
+        ae.stop()
+
+    asyncio.run(run())
