@@ -148,3 +148,27 @@ def test_encoder_only_attends_without_the_cache():
     ).transpose(0, 1).reshape(4, 16)
     torch.testing.assert_close(out, ref)
     assert torch.count_nonzero(layer.kv_cache) == 0
+
+
+def test_a_native_kernel_that_fails_its_self_check_is_not_selected(monkeypatch):
+    from engine.attention.kernels import native, ops
+
+    isas = native.available_isas()
+    if not isas:
+        pytest.skip("no native attention kernels on this host")
+    best = ops.select_isa(torch.bfloat16, 16, 64, "auto")
+    assert best in isas and ops.self_check(best, torch.bfloat16, 16, 64, "auto")
+    ops.self_check.cache_clear()
+    original = native.paged_attention
+
+    def broken(isa, query, kv_cache, meta, scale, kv_cache_dtype, k_scale, v_scale, output):
+        original(isa, query, kv_cache, meta, scale, kv_cache_dtype, k_scale, v_scale, output)
+        if isa == best:
+            output.mul_(1.5)  # a miscompiled or misbehaving path
+
+    monkeypatch.setattr(native, "paged_attention", broken)
+    try:
+        fallback = ops.select_isa(torch.bfloat16, 16, 64, "auto")
+        assert fallback != best
+    finally:
+        ops.self_check.cache_clear()

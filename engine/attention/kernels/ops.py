@@ -59,9 +59,57 @@ def select_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dty
     from engine.attention.kernels import native
 
     for isa in ISAS[ISAS.index(ceiling) : -1]:
-        if isa in isas and native.supports(isa, dtype, block_size, head_size, kv_cache_dtype):
+        if (
+            isa in isas
+            and native.supports(isa, dtype, block_size, head_size, kv_cache_dtype)
+            and self_check(isa, dtype, block_size, head_size, kv_cache_dtype)
+        ):
             return isa
     return "ref"
+
+
+@functools.lru_cache(maxsize=None)
+def self_check(isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> bool:
+    """Run the kernel once on a small mixed batch and compare with ``ref`` before trusting it.
+
+    A host-specific path (AMX above all, which only some production CPUs have) that
+    misbehaves is then skipped with a warning instead of serving wrong tokens.  A few
+    milliseconds, once per configuration and process.
+    """
+    import logging
+
+    from engine.attention.backends.cpu import CPUAttentionMetadata, kv_cache_torch_dtype
+
+    gen = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, num_blocks = 4, 2, 8
+    q_lens, seq_lens = [1, 1, 7, 5], [9, 40, 7, 37]  # two decodes, a fresh prompt, a chunk after context
+    cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+    try:
+        kv = (torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=gen) * 0.5).to(cache_dtype)
+        table = torch.randperm(num_blocks, generator=gen).to(torch.int32).repeat(len(seq_lens), 1)
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        query = torch.randn(qsl[-1], num_heads, head_size, generator=gen).to(dtype)
+        meta = CPUAttentionMetadata(
+            num_actual_tokens=qsl[-1], num_decodes=2, num_decode_tokens=2,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=table, slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64), max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens), query_start_loc_list=qsl, seq_lens_list=seq_lens,
+        )
+        scale = head_size**-0.5
+        expected, got = torch.empty_like(query), torch.empty_like(query)
+        paged_attention("ref", query, kv, meta, scale, kv_cache_dtype, 1.0, 1.0, expected)
+        paged_attention(isa, query, kv, meta, scale, kv_cache_dtype, 1.0, 1.0, got)
+        ok = torch.allclose(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+        err = "" if ok else f"max difference {float((got.float() - expected.float()).abs().max()):.3g}"
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use this path
+        ok, err = False, f"{type(exc).__name__}: {exc}"
+    if not ok:
+        logging.getLogger(__name__).warning(
+            "attention kernel %s failed its start-up check against ref (%s); using a lower ISA", isa, err
+        )
+    return ok
 
 
 def reshape_and_cache(
