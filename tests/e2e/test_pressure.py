@@ -116,8 +116,8 @@ def test_small_kv_cache_preempts_and_recomputes_with_the_same_greedy_text(tight:
 # --------------------------------------------------------------------------------------------------
 
 BACKGROUND = [
-    {"model": MODEL, "prompt": "The printing press changed Europe because", "max_tokens": 80, "temperature": 0, "ignore_eos": True},
-    {"model": MODEL, "prompt": "A simple recipe for bread:", "max_tokens": 80, "temperature": 0, "ignore_eos": True},
+    {"model": MODEL, "prompt": "The printing press changed Europe because", "max_tokens": 120, "temperature": 0, "ignore_eos": True},
+    {"model": MODEL, "prompt": "A simple recipe for bread:", "max_tokens": 120, "temperature": 0, "ignore_eos": True},
 ]
 # Holders keep batch slots busy; their slowed steps (0.25 s) keep them from finishing too soon.
 HOLD = {"model": MODEL, "prompt": f"Count: {faults.SLOW_STEP}", "max_tokens": 60, "ignore_eos": True, "stream": True}
