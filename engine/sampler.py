@@ -10,7 +10,7 @@ what else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -60,42 +60,106 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
             logits[row] -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p for the rows being sampled; returns probabilities."""
+# top-k / top-p rank the best 64 tokens of each row, then the best 1024 of rows those did
+# not settle (top_k above them, or a wider nucleus), and sort the whole vocabulary only
+# for what is left.  Here a full sort costs ~3 ms a row; ranking 64 candidates of 32
+# rows ~0.8 ms in all.  What survives is all the softmax, min-p and the draw then see.
+CANDIDATE_TIERS = (64, 1024)
+
+
+def _distributions(
+    logits: torch.Tensor, requests: list[Request]
+) -> Iterator[tuple[list[int], Optional[torch.Tensor], torch.Tensor]]:
+    """Each sampled row's final distribution, in groups of ``(rows, token ids, probabilities)``.
+
+    Temperature, then top-k and top-p, then min-p.  Rows without top-k/top-p come back over
+    the whole vocabulary (token ids ``None``); the others as their surviving candidates only.
+    """
     temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype).unsqueeze(1)
     logits = logits / temps
-    top_k = [r.params.top_k for r in requests]
-    top_p = [r.params.top_p for r in requests]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[1]
-        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k])  # clamped before: 10**30 overflows int64
-        ranks = torch.arange(vocab).unsqueeze(0)
-        mask = ranks >= k.unsqueeze(1)
-        probs = sorted_logits.masked_fill(mask, -float("inf")).softmax(-1)
-        cum = probs.cumsum(-1) - probs  # mass strictly before each token
-        mask |= cum >= torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
-        mask[:, 0] = False  # always keep the best token
-        sorted_logits = sorted_logits.masked_fill(mask, -float("inf"))
-        logits = torch.empty_like(logits).scatter_(1, idx, sorted_logits)
-    probs = logits.softmax(-1)
-    min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype).unsqueeze(1)
+    num_rows, vocab = logits.shape
+    k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests])
+    p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype)
+    min_p = torch.tensor([r.params.min_p for r in requests], dtype=logits.dtype)
+    filtered = (k < vocab) | (p < 1.0)
+    plain = (~filtered).nonzero().flatten()
+    if plain.numel():
+        rows_logits = logits if plain.numel() == num_rows else logits[plain]
+        yield plain.tolist(), None, _min_p(rows_logits.softmax(-1), min_p[plain])
+    for rows, ids, kept in _top_k_top_p(logits, k, p, filtered.nonzero().flatten()):
+        yield rows.tolist(), ids, _min_p(kept.softmax(-1), min_p[rows])
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     if bool((min_p > 0).any()):
         top = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < min_p * top, 0.0)
+        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * top, 0.0)
     return probs
 
 
+def _nucleus_mask(sorted_logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, log_norm: torch.Tensor) -> torch.Tensor:
+    """True where top-k (rank >= k) or top-p (mass strictly before the token >= p) removes a token.
+
+    ``sorted_logits`` are descending; ``log_norm`` is the log of the top-k distribution's
+    normaliser, so the probabilities are those of the k best tokens renormalised.
+    """
+    ranks = torch.arange(sorted_logits.shape[1]).unsqueeze(0)
+    mask = ranks >= k.unsqueeze(1)
+    probs = (sorted_logits - log_norm.unsqueeze(1)).exp().masked_fill(mask, 0.0)
+    mask |= probs.cumsum(-1) - probs >= p.unsqueeze(1)
+    mask[:, 0] = False  # always keep the best token
+    return mask
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, rows: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For ``rows``: ``(rows settled, candidate ids, their logits with what top-k and then top-p
+    remove set to -inf)``, keeping exactly what a full descending sort would keep."""
+    num_rows, vocab = logits.shape
+    for num_cand in [c for c in CANDIDATE_TIERS if c < vocab] + [vocab]:
+        if rows.numel() == 0:
+            return
+        sub = logits if rows.numel() == num_rows else logits[rows]
+        ks, ps = k[rows], p[rows]
+        if num_cand == vocab:
+            cand_logits, cand_ids = sub.sort(dim=-1, descending=True)
+        else:
+            cand_logits, cand_ids = sub.topk(num_cand, dim=-1)
+        ranks = torch.arange(num_cand).unsqueeze(0)
+        log_norm = cand_logits.masked_fill(ranks >= ks.unsqueeze(1), -float("inf")).logsumexp(-1)
+        beyond = ks > num_cand
+        if bool(beyond.any()):  # then only the whole row's normaliser is exact (for k == vocab)
+            log_norm = torch.where(beyond, sub.logsumexp(-1), log_norm)
+        kept = cand_logits.masked_fill(_nucleus_mask(cand_logits, ks, ps, log_norm), -float("inf"))
+        cand_mass = (cand_logits - log_norm.unsqueeze(1)).exp().sum(-1)
+        settled = ~beyond | ((ks == vocab) & (cand_mass >= ps))
+        if bool(settled.all()):
+            yield rows, cand_ids, kept
+            return
+        yield rows[settled], cand_ids[settled], kept[settled]
+        rows = rows[~settled]
+
+
 def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Gumbel-style race: argmax(p / E) with E ~ Exp(1) equals sampling from p."""
-    noise = torch.empty_like(probs)
+    """Inverse-CDF sampling: one uniform number per row, looked up in the row's cumulative sum.
+
+    Seeded requests take their number from their own generator, so their tokens do not
+    depend on the rest of the batch.  (Exponential-race sampling needs a random number
+    per vocabulary entry: ~0.7 ms a row here; this costs ~0.03 ms.)
+    """
+    u = torch.empty(len(requests), 1, dtype=probs.dtype)
     unseeded = [i for i, r in enumerate(requests) if r.generator is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype).exponential_()
+        u[unseeded] = torch.rand(len(unseeded), 1, dtype=probs.dtype)
     for i, r in enumerate(requests):
         if r.generator is not None:
-            noise[i].exponential_(generator=r.generator)
-    return (probs / noise).argmax(dim=-1)
+            u[i] = torch.rand(1, dtype=probs.dtype, generator=r.generator)
+    cdf = probs.cumsum(-1)
+    # right=True: the first token whose cumulative mass exceeds the target, so tokens with
+    # zero probability (filtered out) are never chosen.
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    return tokens.clamp_(max=probs.shape[1] - 1)
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, counts: list[int]) -> list[Optional[Logprob]]:
@@ -132,8 +196,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if sampled_rows:
         sub = [requests[i] for i in sampled_rows]
-        probs = _filter(logits[sampled_rows], sub)
-        tokens[sampled_rows] = _draw(probs, sub)
+        sub_logits = logits if len(sampled_rows) == len(requests) else logits[sampled_rows]
+        for rows, ids, probs in _distributions(sub_logits, sub):
+            drawn = _draw(probs, [sub[i] for i in rows])
+            if ids is not None:
+                drawn = ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
+            tokens[[sampled_rows[i] for i in rows]] = drawn
 
     logprobs: list[Optional[Logprob]] = [None] * len(requests)
     if raw_logprobs is not None:

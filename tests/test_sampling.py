@@ -12,7 +12,7 @@ from engine.engine import LLMEngine
 from engine.loader import load_model
 from engine.output_processor import RequestTextState
 from engine.request import Request, SamplingParams
-from engine.sampler import sample
+from engine.sampler import _distributions, _draw, sample
 
 
 def reqs(*params: SamplingParams, outputs: list[int] | None = None) -> list[Request]:
@@ -199,3 +199,44 @@ def test_logprobs_and_prompt_logprobs_on_the_model(engine):
     n_prompt = len(engine.tokenizer.encode("The capital of France is"))
     assert len(out["prompt_lps"]) == n_prompt and out["prompt_lps"][0] is None
     assert all(p is not None and len(p.top) == 3 for p in out["prompt_lps"][1:])
+
+
+def _full_sort_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The textbook definition: sort the whole row, keep the k best, then the smallest prefix holding top_p."""
+    sorted_logits, idx = logits.sort(descending=True)
+    k = top_k if top_k > 0 else logits.numel()
+    probs = sorted_logits[:k].softmax(-1)
+    before = probs.cumsum(-1) - probs
+    keep = torch.zeros(logits.numel(), dtype=torch.bool)
+    n = max(1, int((before < top_p).sum()))
+    keep[idx[:n]] = True
+    return keep
+
+
+@pytest.mark.parametrize("vocab", [50, 5000])
+def test_top_k_top_p_keep_exactly_what_a_full_sort_keeps(vocab: int):
+    """Rows settled by the best candidates and rows that need the whole vocabulary sorted
+    (a near-flat distribution, top_k above the candidate count) keep the same tokens."""
+    torch.manual_seed(vocab)
+    cases = [(0, 0.9), (40, 1.0), (40, 0.5), (0, 1.0), (3000, 0.99), (0, 0.999), (1, 0.9), (7, 0.2)]
+    logits = torch.randn(len(cases), vocab) * torch.tensor([4.0, 2.0, 1.0, 1.0, 0.05, 0.01, 1.0, 3.0]).unsqueeze(1)
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in cases]
+    seen_rows = []
+    for rows, ids, probs in _distributions(logits.clone(), reqs(*params)):
+        for i, row in enumerate(rows):
+            k, p = cases[row]
+            kept = torch.zeros(vocab, dtype=torch.bool)
+            kept[ids[i][probs[i] > 0] if ids is not None else probs[i] > 0] = True
+            assert torch.equal(kept, _full_sort_filter(logits[row], k, p)), (k, p)
+            assert torch.isclose(probs[i].sum(), torch.tensor(1.0))
+            seen_rows.append(row)
+    assert sorted(seen_rows) == list(range(len(cases)))
+
+
+def test_draw_picks_only_tokens_with_probability():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4 + [[0.0, 0.0, 0.0, 0.0, 1.0]])
+    r = reqs(*[SamplingParams(temperature=1.0)] * 5)
+    seen = set()
+    for _ in range(300):
+        seen.update(_draw(probs, r).tolist())
+    assert seen == {1, 3, 4}
