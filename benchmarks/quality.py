@@ -52,8 +52,10 @@ class Variant:
 
 VARIANTS = [
     Variant("bf16, dense weights", "bfloat16", "none"),
-    Variant("bf16, packed Q4/Q8 blocks, 16-bit activations (default)", "bfloat16", "auto"),
-    Variant("bf16, packed blocks, 8-bit activations", "bfloat16", "auto", env={"CPUSERVE_PACKED_ACT_BITS": "8"}),
+    # The default: 16-bit activations up to 4 rows (every decode step here), int8 above (the prompts).
+    Variant("bf16, packed Q4/Q8 blocks (default: a16 <= 4 rows, int8 above)", "bfloat16", "auto"),
+    # What every batch of more than 4 rows gets by default.
+    Variant("bf16, packed blocks, int8 activations everywhere", "bfloat16", "auto", env={"CPUSERVE_PACKED_ACT_BITS": "8"}),
     Variant("bf16, packed blocks, fp8 e4m3 KV cache", "bfloat16", "auto", "fp8_e4m3"),
     Variant("fp32, packed blocks, 16-bit activations", "float32", "auto"),
 ]

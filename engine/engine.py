@@ -124,18 +124,24 @@ class LLMEngine:
 
         ``weight_quant``: "auto" packs the file's own blocks (exact w.r.t. the weights);
         "q8_0" also quantizes dense weights (HF checkpoints; lossy); "none" stays dense.
+        ``large_batch_matmul`` decides whether batches above the small-batch limit use them too.
         """
         if self.config.weight_quant == "none":
             return
         from engine.layers import quant
 
+        large_int8 = self.config.large_batch_int8
         stats = quant.attach_gguf_weights(
-            self.runner.model, loaded.gguf_tensors, quantize_dense=self.config.weight_quant == "q8_0"
+            self.runner.model,
+            loaded.gguf_tensors,
+            quantize_dense=self.config.weight_quant == "q8_0",
+            large_act_bits=8 if large_int8 else 0,
         )
         if stats["packed"] or stats["quantized"]:
             logger.info(
-                "packed weights for small batches: %d from the file, %d quantized to Q8_0, %d dense (%.0f MiB)",
+                "packed weights: %d from the file, %d quantized to Q8_0, %d dense (%.0f MiB); large batches: %s",
                 stats["packed"], stats["quantized"], stats["dense"], stats["bytes"] / 2**20,
+                "packed, int8 activations" if large_int8 else "dense",
             )
 
     # --- requests -----------------------------------------------------------------------

@@ -19,7 +19,14 @@ from typing import Mapping, Optional, Sequence
 import uvicorn
 
 import service
-from engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import (
+    KV_CACHE_DTYPES,
+    LARGE_BATCH_MATMULS,
+    WEIGHT_QUANTS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from engine.loader import ModelLoadError, resolve_model_path
 from service.config import DEFAULT_MAX_REQUEST_BYTES, ServiceConfig
 
@@ -65,6 +72,20 @@ def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentPa
     add("--host", "address to listen on; 0.0.0.0 exposes the server beyond this machine", default="127.0.0.1")
     add("--port", "TCP port to listen on", type=int, default=8000)
     add("--dtype", "weights and activations dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    add(
+        "--weight-quant",
+        "linear weights: 'auto' keeps a GGUF file's Q4/Q8 blocks for the native kernels, 'q8_0' also "
+        "quantizes dense (Hugging Face) weights to Q8_0 (lossy), 'none' uses dense weights only",
+        choices=list(WEIGHT_QUANTS),
+        default="auto",
+    )
+    add(
+        "--large-batch-matmul",
+        "batches above the small-batch limit (prefill, big decode batches): 'int8' runs the packed "
+        "weights with int8 activations, 'dense' the dense matmul, 'auto' int8 for bfloat16 and dense for float32",
+        choices=list(LARGE_BATCH_MATMULS),
+        default="auto",
+    )
     add("--served-model-name", "the model name clients send and responses carry (default: from the model file)")
     add("--max-num-seqs", "most sequences in one batch (continuous batching)", type=int, default=64)
     add("--max-num-batched-tokens", "most tokens (prefill chunks + decodes) in one engine step", type=int, default=2048)
@@ -105,6 +126,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     engine = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        weight_quant=args.weight_quant,
+        large_batch_matmul=args.large_batch_matmul,
         served_model_name=args.served_model_name,
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(

@@ -216,18 +216,53 @@ def test_linear_routes_small_batches_to_packed():
     calls = []
 
     class Spy(Q.PackedWeight):
-        def __call__(self, x, bias=None):
-            calls.append(x.shape[0])
-            return super().__call__(x, bias)
+        def __call__(self, x, bias=None, act_bits=0):
+            calls.append((x.shape[0], act_bits))
+            return super().__call__(x, bias, act_bits)
 
     spy = Spy(Q.pack_blocks(raw, "Q4_0", (n, k)), "Q4_0", (n, k))
     assert Q.attach_packed(lin, spy, max_rows=8)
     x = torch.randn(8, k)
     check_output(lin(x), x, lin.weight.data, lin.bias.data)
     lin(torch.randn(9, k))
-    assert calls == [8]
+    assert calls == [(8, 0)]
     with pytest.raises(ValueError):
         Q.attach_packed(Linear(k, n + 1, False, torch.float32), spy)
+
+
+def test_large_batches_take_int8_activations_when_allowed():
+    """With large_act_bits the packed kernel serves every batch: small ones at the weight's own
+    (16-bit) activation precision, larger ones with int8 activations, still close to dense."""
+    n, k = 64, 128
+    raw = random_blocks("Q4_1", n, k)
+    lin = Linear(k, n, bias=False, dtype=torch.bfloat16)
+    lin.weight.data.copy_(gguf_dequantize(raw, "Q4_1", (n, k)))
+    calls = []
+
+    class Spy(Q.PackedWeight):
+        def __call__(self, x, bias=None, act_bits=0):
+            calls.append((x.shape[0], act_bits))
+            return super().__call__(x, bias, act_bits)
+
+    assert Q.attach_packed(lin, Spy(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16), large_act_bits=8)
+    assert lin.packed_max_rows == Q.MAX_ROWS_BEFORE_INT8
+    small, large = torch.randn(2, k, dtype=torch.bfloat16), torch.randn(300, k, dtype=torch.bfloat16)
+    lin(small)
+    y = lin(large)
+    assert calls == [(2, 0), (300, 8)]
+    ref = large.float() @ lin.weight.data.float().t()
+    assert (y.float() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_large_batch_matmul_setting():
+    from engine.config import EngineConfig
+
+    assert EngineConfig(dtype="bfloat16").large_batch_int8
+    assert not EngineConfig(dtype="float32").large_batch_int8  # float32 runs stay exact
+    assert not EngineConfig(dtype="bfloat16", large_batch_matmul="dense").large_batch_int8
+    assert EngineConfig(dtype="float32", large_batch_matmul="int8").large_batch_int8
+    with pytest.raises(ValueError):
+        EngineConfig(large_batch_matmul="fp4")
 
 
 def test_default_max_rows_env(monkeypatch):

@@ -2,7 +2,9 @@
 
 Small batches (decode) are memory-bound: reading 4-bit or 8-bit blocks instead
 of bf16 cuts the bytes per token, so they go to the packed kernel when one is
-attached.  Large batches (prefill) are compute-bound and go to the dense matmul.
+attached.  Large batches (prefill) are compute-bound: they go to the dense matmul,
+or, where the engine allows it (``large_act_bits``), to the packed kernel with
+int8 activations, whose integer dot products outrun bf16 ones.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: Optional[Any] = None  # set by engine.layers.quant.attach_packed()
         self.packed_max_rows = 0
+        self.large_act_bits = 0  # > 0: batches above packed_max_rows also go to the packed kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= self.packed_max_rows:
-            return self.packed(x, self.bias)
+        if self.packed is not None:
+            if x.shape[0] <= self.packed_max_rows:
+                return self.packed(x, self.bias)
+            if self.large_act_bits:
+                return self.packed(x, self.bias, self.large_act_bits)
         return F.linear(x, self.weight, self.bias)

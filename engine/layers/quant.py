@@ -16,8 +16,11 @@ AVX2, scalar; picked at run time).  That rounding is the only approximation:
 
 (``python -m benchmarks.linear_kernels --accuracy`` measures these.)
 
-Prefill batches are compute-bound and stay on the dense matmul: ``Linear`` sends only batches of
-at most ``packed_max_rows`` rows here (:func:`default_max_rows`: 48 for Q4, 32 for Q8_0).
+Prefill batches are compute-bound: ``Linear`` sends batches of at most ``packed_max_rows`` rows
+here (:func:`default_max_rows`: 48 for Q4, 32 for Q8_0) and larger ones to the dense matmul, or,
+when the engine asks for it (``EngineConfig.large_batch_matmul``, on by default for bf16 runs),
+here too with int8 activations: VNNI int8 dot products outrun oneDNN's bf16 GEMM by 1.1-1.4x at
+32-1024 rows on the development host (``benchmarks/linear_kernels.py``, column "packed a8").
 
 Packed layout (built here with torch ops, described in ``engine/csrc/qlinear.h``): groups of 16
 output rows, each a sequential run of "group-blocks" whose quants are interleaved in 4-byte words
@@ -57,6 +60,9 @@ ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
 # disables the packed path.
 MAX_ROWS = {("Q4", 16): 48, ("Q8", 16): 32, ("Q4", 8): 64, ("Q8", 8): 64}
 DEFAULT_MAX_ROWS = MAX_ROWS[("Q4", 16)]
+# When larger batches may use int8 activations, the weight's own (16-bit) precision is kept only
+# where it costs nothing: up to 4 rows, memory-bound.  From 8 rows int8 is ~1.4x faster.
+MAX_ROWS_BEFORE_INT8 = 4
 
 # Activation precision inside the kernel: 16 = each 32-block rounded to 15 bits (two int8 digits,
 # twice the integer dot products; error ~3e-5 of the block max, below bf16's own rounding), 8 =
@@ -138,23 +144,25 @@ class PackedWeight:
         """The same packed data, pinned to another instruction-set path (and activation precision)."""
         return PackedWeight(self.data, self.qtype, self.shape, isa, self.act_bits if act_bits is None else act_bits)
 
-    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_bits: int = 0) -> torch.Tensor:
+        """``x @ W.T + bias``; ``act_bits`` (8 or 16) overrides this weight's activation precision."""
         op = self._op
         if op is None:
             mod = _native()
             op = self._op = mod.qlinear_forward if mod is not None else False
         if x.dim() != 2:
             lead = x.shape[:-1]
-            return self(x.reshape(-1, x.shape[-1]), bias).view(*lead, self.shape[0])
+            return self(x.reshape(-1, x.shape[-1]), bias, act_bits).view(*lead, self.shape[0])
         if op is False:
             y = x.float() @ self.dequantize().t()
             if bias is not None:
                 y = y + bias.float()
             return y.to(x.dtype)
+        bits = act_bits or self.act_bits
         if x.dtype not in (torch.bfloat16, torch.float32):
             return op(x.float(), self.data, self.qtype_id, self.shape[0], self.shape[1],
-                      None if bias is None else bias.float(), self._isa_id, self.act_bits).to(x.dtype)
-        return op(x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id, self.act_bits)
+                      None if bias is None else bias.float(), self._isa_id, bits).to(x.dtype)
+        return op(x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id, bits)
 
     def to_gguf_blocks(self) -> torch.Tensor:
         """The raw GGUF blocks, uint8 [out_features, bytes_per_row] (inverse of the packing)."""
@@ -291,12 +299,15 @@ def quantize_q8_0(w: torch.Tensor, isa: Optional[str] = None, act_bits: Optional
 # ---------------------------------------------------------------- wiring into the model
 
 
-def default_max_rows(qtype: str = "Q4_1", act_bits: Optional[int] = None) -> int:
-    """Largest batch sent to the packed kernel (env CPUSERVE_PACKED_MAX_ROWS overrides)."""
+def default_max_rows(qtype: str = "Q4_1", act_bits: Optional[int] = None, large_act_bits: int = 0) -> int:
+    """Largest batch sent to the packed kernel at the weight's own activation precision
+    (env CPUSERVE_PACKED_MAX_ROWS overrides)."""
     env = os.environ.get("CPUSERVE_PACKED_MAX_ROWS")
     if env:
         return max(0, int(env))
     bits = default_act_bits() if act_bits is None else act_bits
+    if large_act_bits and large_act_bits < bits:
+        return MAX_ROWS_BEFORE_INT8
     return MAX_ROWS[(qtype[:2], bits)]
 
 
@@ -305,8 +316,11 @@ def default_act_bits() -> int:
     return int(env) if env else DEFAULT_ACT_BITS
 
 
-def attach_packed(linear: "Linear", packed: Optional[PackedWeight], max_rows: Optional[int] = None) -> bool:
-    """Route ``linear``'s batches of at most ``max_rows`` rows to ``packed``; False if not attached
+def attach_packed(
+    linear: "Linear", packed: Optional[PackedWeight], max_rows: Optional[int] = None, large_act_bits: int = 0
+) -> bool:
+    """Route ``linear``'s batches of at most ``max_rows`` rows to ``packed`` (and, with
+    ``large_act_bits``, larger ones too, at that activation precision); False if not attached
     (None, shape mismatch, or no native kernel: the dense path then serves every batch)."""
     if packed is None:
         return False
@@ -315,7 +329,10 @@ def attach_packed(linear: "Linear", packed: Optional[PackedWeight], max_rows: Op
     if not native_available():
         return False
     linear.packed = packed
-    linear.packed_max_rows = default_max_rows(packed.qtype, packed.act_bits) if max_rows is None else max_rows
+    if max_rows is None:
+        max_rows = default_max_rows(packed.qtype, packed.act_bits, large_act_bits)
+    linear.packed_max_rows = max_rows
+    linear.large_act_bits = large_act_bits
     return True
 
 
@@ -332,6 +349,7 @@ def attach_gguf_weights(
     gguf_tensors: dict[str, "GGUFTensor"],
     max_rows: Optional[int] = None,
     quantize_dense: bool = False,
+    large_act_bits: int = 0,
 ) -> dict[str, Any]:
     """Attach packed weights to every Linear of a Llama-family model (HF names, as the loader gives).
 
@@ -367,6 +385,6 @@ def attach_gguf_weights(
         else:
             stats["dense"] += 1
             continue
-        attach_packed(module, packed, max_rows)
+        attach_packed(module, packed, max_rows, large_act_bits)
         stats["bytes"] += packed.nbytes
     return stats
