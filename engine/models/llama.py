@@ -18,6 +18,10 @@ from engine.layers.fused import add_rms_norm_, apply_rope_, silu_and_mul
 from engine.layers.linear import Linear
 
 
+# Submodules are called through ``.forward`` on the per-layer path: ``nn.Module.__call__``
+# (hook bookkeeping this engine never uses) cost ~0.2 ms of a 4 ms batch-1 decode step.
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -76,10 +80,10 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = apply_rope_(positions, q, k, cos_sin, self.head_dim)  # in place: q, k stay views of qkv
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj.forward(self.attn.forward(q, k, v))
 
 
 class LlamaMLP(nn.Module):
@@ -89,7 +93,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -103,10 +107,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, cos_sin)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.input_layernorm.forward(x, residual)
+        x = self.self_attn.forward(positions, x, cos_sin)
+        x, residual = self.post_attention_layernorm.forward(x, residual)
+        return self.mlp.forward(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -131,13 +135,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
+        cos_sin = self.cos_sin
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, self.cos_sin)
-        x, _ = self.norm(x, residual)
+            x, residual = layer.forward(positions, x, residual, cos_sin)
+        x, _ = self.norm.forward(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head.forward(hidden).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, merging q/k/v and gate/up into one matmul each."""
