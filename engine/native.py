@@ -10,13 +10,15 @@ code; ``CPUSERVE_NATIVE=0`` forces that.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import glob
 import logging
 import os
 import sys
 from types import ModuleType
-from typing import Optional
+from typing import Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,48 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def build_dir() -> str:
     return os.environ.get("CPUSERVE_BUILD_DIR") or os.path.join(_REPO, "build", "native")
+
+
+@contextlib.contextmanager
+def _build_lock() -> Iterator[None]:
+    """One process at a time checks or builds the extension, under a lock the kernel drops if
+    its holder dies.
+
+    torch's own lock is a plain file that a process killed mid-build leaves behind, and every
+    later start-up then waits on it forever, silently.  Holding this lock, any such file is
+    stale: it is removed.
+    """
+    with open(os.path.join(build_dir(), ".cpuserve-build.lock"), "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process that is building the native kernels in %s", build_dir())
+            fcntl.flock(f, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir(), "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by a native build that was interrupted", stale)
+            os.remove(stale)
+        yield
+
+
+@contextlib.contextmanager
+def _own_ninja() -> Iterator[None]:
+    """Build with the ninja installed next to this Python (requirements.txt pins it).
+
+    torch runs whichever ``ninja`` comes first on PATH; a system ninja of another version
+    reads the venv one's build log as foreign and rebuilds everything (~1 min on 2 cores),
+    so a server started without the venv on PATH recompiled at every start.
+    """
+    venv_bin = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if not os.access(os.path.join(venv_bin, "ninja"), os.X_OK) or path.split(os.pathsep)[0] == venv_bin:
+        yield
+        return
+    os.environ["PATH"] = venv_bin + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 @functools.lru_cache(maxsize=1)
@@ -40,15 +84,16 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
         from torch.utils import cpp_extension
 
         os.makedirs(build_dir(), exist_ok=True)
-        return cpp_extension.load(
-            name="cpuserve_C",
-            sources=sources,
-            build_directory=build_dir(),
-            extra_cflags=["-O3", "-fopenmp", "-std=c++17", "-Wno-unused-function"],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[_CSRC],
-            verbose=verbose,
-        )
+        with _build_lock(), _own_ninja():
+            return cpp_extension.load(
+                name="cpuserve_C",
+                sources=sources,
+                build_directory=build_dir(),
+                extra_cflags=["-O3", "-fopenmp", "-std=c++17", "-Wno-unused-function"],
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[_CSRC],
+                verbose=verbose,
+            )
     except Exception as exc:  # noqa: BLE001 - any build failure means: run the portable path
         logger.warning("native kernels unavailable, using portable torch kernels: %s", str(exc).splitlines()[0])
         return None
