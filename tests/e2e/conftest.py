@@ -54,7 +54,7 @@ def service_env(**extra: str) -> dict[str, str]:
 
 
 class Server:
-    def __init__(self, name: str, args: list[str], log_path: Path) -> None:
+    def __init__(self, name: str, args: list[str], log_path: Path, env: Optional[dict[str, str]] = None) -> None:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -62,7 +62,7 @@ class Server:
         cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port), *args]
         with open(log_path, "wb") as out:
             self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=service_env(), stdout=out, stderr=subprocess.STDOUT,
+                cmd, cwd=ROOT, env=service_env(**(env or {})), stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
         _RUNNING.append(self)
@@ -110,8 +110,9 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(name: str, tmp_dir: Path, *args: str) -> Server:
-    server = Server(name, list(args), tmp_dir / f"{name}.log")
+def start_server(name: str, tmp_dir: Path, *args: str, env: Optional[dict[str, str]] = None) -> Server:
+    """Start ``python -m service`` with these flags (and extra environment), wait for /health."""
+    server = Server(name, list(args), tmp_dir / f"{name}.log", env)
     try:
         server.wait_healthy()
     except RuntimeError as exc:

@@ -36,20 +36,19 @@ RSS_GROWTH_MIB = 200  # over the overload run, after the tests before it warmed 
 
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory: pytest.TempPathFactory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(faults.ENV, "1")
-        srv = start_server(
-            "tight",
-            tmp_path_factory.mktemp("tight"),
-            "--threads", "1",
-            "--dtype", "float32",
-            "--kv-cache-gb", str(KV_CACHE_GB),
-            "--max-model-len", "256",
-            "--max-num-seqs", str(MAX_NUM_SEQS),
-            "--max-queue", str(MAX_QUEUE),
-            "--max-num-batched-tokens", "64",
-            "--shutdown-timeout", "5",
-        )
+    srv = start_server(
+        "tight",
+        tmp_path_factory.mktemp("tight"),
+        "--threads", "1",
+        "--dtype", "float32",
+        "--kv-cache-gb", str(KV_CACHE_GB),
+        "--max-model-len", "256",
+        "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--max-queue", str(MAX_QUEUE),
+        "--max-num-batched-tokens", "64",
+        "--shutdown-timeout", "5",
+        env={faults.ENV: "1"},
+    )
     yield srv
     srv.stop()
 

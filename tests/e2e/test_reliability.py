@@ -32,18 +32,17 @@ GOOD = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def fuzz(tmp_path_factory: pytest.TempPathFactory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(faults.ENV, "1")
-        srv = start_server(
-            "reliability",
-            tmp_path_factory.mktemp("reliability"),
-            "--threads", "1",
-            "--dtype", "float32",
-            "--kv-cache-gb", "0.1",
-            "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-seqs", "32",
-            "--shutdown-timeout", "5",
-        )
+    srv = start_server(
+        "reliability",
+        tmp_path_factory.mktemp("reliability"),
+        "--threads", "1",
+        "--dtype", "float32",
+        "--kv-cache-gb", "0.1",
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-seqs", "32",
+        "--shutdown-timeout", "5",
+        env={faults.ENV: "1"},
+    )
     yield srv
     srv.stop()
 
