@@ -97,15 +97,15 @@ def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs
 
 
-def _nucleus_mask(sorted_logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, log_norm: torch.Tensor) -> torch.Tensor:
+def _nucleus_mask(sorted_probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """True where top-k (rank >= k) or top-p (mass strictly before the token >= p) removes a token.
 
-    ``sorted_logits`` are descending; ``log_norm`` is the log of the top-k distribution's
-    normaliser, so the probabilities are those of the k best tokens renormalised.
+    ``sorted_probs`` are descending, under the top-k distribution (the k best tokens
+    renormalised).
     """
-    ranks = torch.arange(sorted_logits.shape[1]).unsqueeze(0)
+    ranks = torch.arange(sorted_probs.shape[1]).unsqueeze(0)
     mask = ranks >= k.unsqueeze(1)
-    probs = (sorted_logits - log_norm.unsqueeze(1)).exp().masked_fill(mask, 0.0)
+    probs = sorted_probs.masked_fill(mask, 0.0)
     mask |= probs.cumsum(-1) - probs >= p.unsqueeze(1)
     mask[:, 0] = False  # always keep the best token
     return mask
@@ -131,9 +131,9 @@ def _top_k_top_p(
         beyond = ks > num_cand
         if bool(beyond.any()):  # then only the whole row's normaliser is exact (for k == vocab)
             log_norm = torch.where(beyond, sub.logsumexp(-1), log_norm)
-        kept = cand_logits.masked_fill(_nucleus_mask(cand_logits, ks, ps, log_norm), -float("inf"))
-        cand_mass = (cand_logits - log_norm.unsqueeze(1)).exp().sum(-1)
-        settled = ~beyond | ((ks == vocab) & (cand_mass >= ps))
+        cand_probs = (cand_logits - log_norm.unsqueeze(1)).exp()
+        kept = cand_logits.masked_fill(_nucleus_mask(cand_probs, ks, ps), -float("inf"))
+        settled = ~beyond | ((ks == vocab) & (cand_probs.sum(-1) >= ps))
         if bool(settled.all()):
             yield rows, cand_ids, kept
             return
