@@ -38,13 +38,6 @@ _PROMPT_SCHEMA = {
 }
 
 
-def _schema(extra: dict[str, Any]) -> Any:
-    def update(schema: dict[str, Any]) -> None:
-        schema.update(extra)
-
-    return update
-
-
 def _check_stop(value: Any) -> Any:
     if value is None or isinstance(value, str):
         return value
@@ -62,7 +55,7 @@ class SamplingFields(_Request):
     top_p: Optional[float] = None  # None: 1.0
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = Field(None, json_schema_extra=_schema(_STOP_SCHEMA))
+    stop: Optional[Union[str, list[str]]] = Field(None, json_schema_extra=_STOP_SCHEMA)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
@@ -89,7 +82,7 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Prompt = Field(json_schema_extra=_schema(_PROMPT_SCHEMA))
+    prompt: Prompt = Field(json_schema_extra=_PROMPT_SCHEMA)
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None  # 0..20 alternatives per position
     echo: bool = False
