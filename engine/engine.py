@@ -310,7 +310,7 @@ class LLMEngine:
             num_generated_tokens=len(advanced),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
+            kv_blocks_used=self.kv.num_used_blocks,
             kv_usage=self.kv.usage,
             num_preemptions=self.scheduler.num_preemptions - preempt_before,
             prefix_cache_queries=cache_stats.queries,

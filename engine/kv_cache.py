@@ -115,9 +115,14 @@ class KVCacheManager:
         return self.pool.num_free
 
     @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by live requests (0 once all have finished: none leaked)."""
+        return self.num_blocks - self.pool.num_free
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks referenced by live requests (cached-but-free blocks count as free)."""
-        return 1.0 - self.pool.num_free / self.num_blocks
+        return self.num_used_blocks / self.num_blocks
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, extended incrementally as tokens arrive."""

@@ -95,7 +95,7 @@ class Metrics:
         num_waiting: Callable[[], float],
         kv_usage: Callable[[], float],
         healthy: Callable[[], float],
-        kv_blocks_used: Callable[[], float] = lambda: 0.0,
+        kv_blocks_used: Callable[[], float],
     ) -> None:
         """Name the model and create every series (zeros included, so rate() and alerts see them)."""
         self.model_name = m = model_name

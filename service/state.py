@@ -90,7 +90,7 @@ class ServerState:
             num_running=lambda: engine.scheduler.num_running,
             num_waiting=lambda: async_engine.num_waiting,
             kv_usage=lambda: engine.kv.usage,
-            kv_blocks_used=lambda: engine.kv.num_blocks - engine.kv.num_free_blocks,
+            kv_blocks_used=lambda: engine.kv.num_used_blocks,
             healthy=lambda: 1.0 if self.engine_alive else 0.0,
         )
         async_engine.start()
