@@ -42,7 +42,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,11 @@ from typing import Any, Optional, Sequence
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.compare import free_port, rss_bytes  # noqa: E402
+
 MAX_DURATION_S = 24 * 3600
 MAX_CONCURRENCY = 512
 OUTCOMES = ("completed", "rejected", "cancelled", "refused", "errored", "lost")
@@ -349,12 +353,6 @@ class Traffic:
 # --------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check_loopback(url: str) -> None:
     host = urllib.parse.urlsplit(url).hostname or ""
     if host == "localhost":
@@ -369,7 +367,7 @@ def check_loopback(url: str) -> None:
 
 class OwnServer:
     def __init__(self, extra_args: Sequence[str], api_key: str, log_path: Path, python: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith(SERVER_ENV_PREFIX)}
@@ -406,16 +404,9 @@ class OwnServer:
         return self.proc.returncode
 
 
-def rss_bytes(pid: Optional[int]) -> Optional[int]:
-    if pid is None:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+def server_rss(pid: Optional[int]) -> Optional[int]:
+    """The server's resident memory in bytes; None for a server this script did not start, or gone."""
+    return None if pid is None else rss_bytes({pid}, pss=False)[0] or None
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
@@ -456,7 +447,7 @@ async def soak(args: argparse.Namespace, base_url: str, api_key: Optional[str], 
         model = (await client.get("/v1/models", headers=headers)).json()["data"][0]
         traffic = Traffic(client, model["id"], api_key, model["max_model_len"], args.request_timeout)
         before = await scrape(client)
-        rss_start = rss_bytes(pid)
+        rss_start = server_rss(pid)
         stats = Stats()
         health_failures: list[str] = []
         rss_peak = [rss_start or 0]
@@ -486,7 +477,7 @@ async def soak(args: argparse.Namespace, base_url: str, api_key: Optional[str], 
                         health_failures.append(f"{time.monotonic() - t_start:.0f}s: {r.status_code}")
                 except httpx.HTTPError as exc:
                     health_failures.append(f"{time.monotonic() - t_start:.0f}s: {type(exc).__name__}")
-                rss = rss_bytes(pid)
+                rss = server_rss(pid)
                 if rss:
                     rss_peak[0] = max(rss_peak[0], rss)
                 if time.monotonic() - last_report >= args.progress_every:
@@ -503,7 +494,7 @@ async def soak(args: argparse.Namespace, base_url: str, api_key: Optional[str], 
             mon.cancel()
         traffic_s = time.monotonic() - t_start
         after = await wait_idle(client, timeout=60)
-        rss_end = rss_bytes(pid)
+        rss_end = server_rss(pid)
 
     counts = stats.counts()
     ttfts = [r.ttft_s for r in stats.records if r.ttft_s is not None]
