@@ -14,7 +14,7 @@
 //   splits' (m, l, O) are merged afterwards.
 #pragma once
 
-#include <xmmintrin.h>
+#include <emmintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -27,7 +27,7 @@ namespace cpuserve_attn {
 constexpr int KT = 32;          // keys per tile
 constexpr int RMAX = 64;        // query rows per work unit (tokens x heads of one kv group)
 constexpr int MIN_SPLIT = 128;  // fewest keys one split of a long context gets
-constexpr int PF = 1;           // prefetch the rows of the tile this many tiles ahead
+constexpr int TOUCH_TILES = 8;  // tiles whose cache lines are loaded in one pass (64 KiB of bf16 K/V)
 
 enum class KvKind : int { kSame = 0, kE4M3 = 1, kE5M2 = 2 };
 
@@ -136,22 +136,30 @@ inline void gather_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int
   }
 }
 
-// Ask for the next tile's rows while this one computes (blocks sit anywhere in memory,
-// so the hardware prefetchers see only short runs).
-inline void prefetch_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int k0, int n) {
-  if (n <= 0) return;
+// Load every cache line of key positions [k0, k1) once, with plain independent loads,
+// before the tiles that use them.  Decode reads each block's 4 KiB once and computes
+// little on it, so the tile loop's dependent reads (and software prefetches, each of
+// which holds one of the core's few L1 miss slots) kept few misses in flight and read
+// at ~14 GB/s of ~50; this pass keeps many in flight (the L2 streamers help within a
+// block) and the tile loop then reads L1/L2.  Measured on the default model's shape,
+// 32 decodes x 192 keys x 30 layers, 2 threads: 10.1 -> 6.3 ms (the pass alone: 4.5).
+inline void touch_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int k0, int k1) {
   const int64_t row_bytes = p.kv_so * p.kv_elt;
   const uint8_t* head = p.kv + (static_cast<int64_t>(kvh) * p.kv_sh) * p.kv_elt;
+  __m128i acc = _mm_setzero_si128();
   int b = k0 / p.B, off = k0 - b * p.B;
-  while (n > 0) {
-    const int m = std::min(n, p.B - off);
+  for (int k = k0; k < k1;) {
+    const int m = std::min(k1 - k, p.B - off);
     const uint8_t* start = head + (bt_row[b] * p.kv_sb + off * p.kv_so) * p.kv_elt;
     const uint8_t* end = start + m * row_bytes;
-    for (const uint8_t* c = start; c < end; c += 64) _mm_prefetch(reinterpret_cast<const char*>(c), _MM_HINT_T0);
-    n -= m;
+    for (const uint8_t* c = start; c < end; c += 64)
+      acc = _mm_or_si128(acc, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    k += m;
     off = 0;
     ++b;
   }
+  static thread_local volatile int sink;  // keeps the loads
+  sink = _mm_cvtsi128_si32(acc);
 }
 
 // Per-ISA operations the tile loop calls (static members of an Ops struct):
@@ -185,7 +193,8 @@ void run_unit(const AttnParams& p, const WorkUnit& u, float* partials) {
   Ops::load_q(p, s, tok, ntok, u.kvh, R);
   for (int k0 = u.kv_begin; k0 < u.kv_end; k0 += KT) {
     const int n = std::min(KT, u.kv_end - k0);
-    prefetch_rows(p, bt_row, u.kvh, k0 + PF * KT, std::min(KT, u.kv_end - k0 - PF * KT));
+    if ((k0 - u.kv_begin) % (TOUCH_TILES * KT) == 0)
+      touch_rows(p, bt_row, u.kvh, k0, std::min(u.kv_end, k0 + TOUCH_TILES * KT));
     Ops::prep_kv(p, s, bt_row, u.kvh, k0, n);
     Ops::qk(p, s, R, n);
     const bool masked = n < KT || k0 + KT - 1 > min_pos;

@@ -498,7 +498,6 @@ struct Bf16DecodeOps {
       if (p.kv_kind == KvKind::kSame) {
         s.krows[i] = rows[i];
         s.vrows[i] = rows[i] + D * 2;
-        for (int b = 0; b < D * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i] + D * 2 + b), _MM_HINT_T0);
       } else {
         uint16_t* kd = static_cast<uint16_t*>(s.krow) + i * Dp;
         uint16_t* vd = static_cast<uint16_t*>(s.vrow) + i * Dp;
