@@ -75,8 +75,9 @@ def _distributions(
     Temperature, then top-k and top-p, then min-p.  Rows without top-k/top-p come back over
     the whole vocabulary (token ids ``None``); the others as their surviving candidates only.
     """
-    temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype).unsqueeze(1)
-    logits = logits / temps
+    if any(r.params.temperature != 1.0 for r in requests):
+        temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype).unsqueeze(1)
+        logits = logits / temps
     num_rows, vocab = logits.shape
     k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests])
     p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype)
@@ -141,12 +142,29 @@ def _top_k_top_p(
         rows = rows[~settled]
 
 
+# The draw looks the target up chunk by chunk: the mass of each DRAW_CHUNK tokens, then the
+# cumulative sum inside the chosen chunk only.  A cumulative sum over the whole vocabulary
+# (torch's runs one element at a time) cost ~1.2 ms per step at 32 rows of 49,152 tokens.
+DRAW_CHUNK = 1024
+
+
+def _lookup(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the first index whose cumulative weight exceeds ``u`` times the row's total,
+    and the cumulative weight before it.  Zero-weight entries are never chosen (the target
+    stays strictly below the total, and a zero adds nothing to the sum it would have to exceed)."""
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[1] - 1)
+    return idx.squeeze(1), (cdf.gather(1, idx) - weights.gather(1, idx)).squeeze(1)
+
+
 def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Inverse-CDF sampling: one uniform number per row, looked up in the row's cumulative sum.
+    """Inverse-CDF sampling: one uniform number per row, looked up in the row's cumulative mass.
 
     Seeded requests take their number from their own generator, so their tokens do not
     depend on the rest of the batch.  (Exponential-race sampling needs a random number
-    per vocabulary entry: ~0.7 ms a row here; this costs ~0.03 ms.)
+    per vocabulary entry: ~0.7 ms a row here; this costs ~0.01 ms.)
     """
     u = torch.empty(len(requests), 1, dtype=probs.dtype)
     unseeded = [i for i, r in enumerate(requests) if r.generator is None]
@@ -155,11 +173,18 @@ def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     for i, r in enumerate(requests):
         if r.generator is not None:
             u[i] = torch.rand(1, dtype=probs.dtype, generator=r.generator)
-    cdf = probs.cumsum(-1)
-    # right=True: the first token whose cumulative mass exceeds the target, so tokens with
-    # zero probability (filtered out) are never chosen.
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-    return tokens.clamp_(max=probs.shape[1] - 1)
+    rows, vocab = probs.shape
+    if vocab <= DRAW_CHUNK:
+        return _lookup(probs, u)[0]
+    if vocab % DRAW_CHUNK:
+        probs = torch.nn.functional.pad(probs, (0, DRAW_CHUNK - vocab % DRAW_CHUNK))
+    chunks = probs.view(rows, -1, DRAW_CHUNK)
+    mass = chunks.sum(-1)
+    chunk, before = _lookup(mass, u)
+    # where in the chosen chunk the target falls, as a fraction of the chunk's mass
+    frac = (u.squeeze(1) * mass.sum(-1) - before) / mass.gather(1, chunk.unsqueeze(1)).squeeze(1)
+    inside, _ = _lookup(chunks[torch.arange(rows), chunk], frac.clamp_(0.0, 1.0).unsqueeze(1))
+    return chunk * DRAW_CHUNK + inside
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, counts: list[int]) -> list[Optional[Logprob]]:
@@ -192,7 +217,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.clone()
         _apply_penalties(logits, requests)
 
-    tokens = logits.argmax(dim=-1)
+    greedy = any(r.params.greedy for r in requests)
+    tokens = logits.argmax(dim=-1) if greedy else torch.empty(len(requests), dtype=torch.long)
     sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if sampled_rows:
         sub = [requests[i] for i in sampled_rows]
