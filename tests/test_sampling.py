@@ -12,6 +12,7 @@ from engine.engine import LLMEngine
 from engine.loader import load_model
 from engine.output_processor import RequestTextState
 from engine.request import Request, SamplingParams
+from engine import sampler
 from engine.sampler import DRAW_CHUNK, _distributions, _draw, sample
 
 
@@ -205,18 +206,24 @@ def _full_sort_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     """The textbook definition: sort the whole row, keep the k best, then the smallest prefix holding top_p."""
     sorted_logits, idx = logits.sort(descending=True)
     k = top_k if top_k > 0 else logits.numel()
-    probs = sorted_logits[:k].softmax(-1)
+    probs = sorted_logits[:k].double().softmax(-1)
     before = probs.cumsum(-1) - probs
     keep = torch.zeros(logits.numel(), dtype=torch.bool)
-    n = max(1, int((before < top_p).sum()))
+    n = k if top_p >= 1.0 else max(1, int((before < top_p).sum()))
     keep[idx[:n]] = True
     return keep
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("vocab", [50, 5000])
-def test_top_k_top_p_keep_exactly_what_a_full_sort_keeps(vocab: int):
-    """Rows settled by the best candidates and rows that need the whole vocabulary sorted
-    (a near-flat distribution, top_k above the candidate count) keep the same tokens."""
+def test_top_k_top_p_keep_exactly_what_a_full_sort_keeps(vocab: int, path: str, monkeypatch: pytest.MonkeyPatch):
+    """Rows settled by the best candidates and rows that need the whole vocabulary (a
+    near-flat distribution, top_k above the candidate count) keep the same tokens, through
+    the native cut-off and through the torch fallback's tiers and full sort."""
+    if path == "native" and sampler._native_thresholds() is None:
+        pytest.skip("native extension unavailable")
+    if path == "torch":
+        monkeypatch.setattr(sampler, "_native_thresholds", lambda: None)
     torch.manual_seed(vocab)
     cases = [(0, 0.9), (40, 1.0), (40, 0.5), (0, 1.0), (3000, 0.99), (0, 0.999), (1, 0.9), (7, 0.2)]
     logits = torch.randn(len(cases), vocab) * torch.tensor([4.0, 2.0, 1.0, 1.0, 0.05, 0.01, 1.0, 3.0]).unsqueeze(1)
@@ -231,6 +238,26 @@ def test_top_k_top_p_keep_exactly_what_a_full_sort_keeps(vocab: int):
             assert torch.isclose(probs[i].sum(), torch.tensor(1.0))
             seen_rows.append(row)
     assert sorted(seen_rows) == list(range(len(cases)))
+
+
+def test_native_cut_off_matches_a_full_sort_on_many_rows():
+    """The native top-k / top-p cut-off (histogram + selection) against the sort-based
+    definition, over flat and peaked rows, small and large k and p, including rows whose
+    cut falls inside a crowded histogram bucket."""
+    cut_off = sampler._native_thresholds()
+    if cut_off is None:
+        pytest.skip("native extension unavailable")
+    torch.manual_seed(7)
+    vocab = 3000
+    cases = [(k, p) for k in (0, 1, 5, 100, 1500, vocab - 1) for p in (0.05, 0.5, 0.9, 0.99, 1.0)]
+    for scale in (0.01, 0.3, 1.0, 3.0, 10.0):
+        logits = torch.randn(len(cases), vocab) * scale
+        e = (logits - logits.max(-1, keepdim=True).values).exp()
+        ks = torch.tensor([k if k > 0 else vocab for k, _ in cases])
+        ps = torch.tensor([p for _, p in cases])
+        kept = e >= cut_off(e, ks, ps).unsqueeze(1)
+        for row, (k, p) in enumerate(cases):
+            assert torch.equal(kept[row], _full_sort_filter(logits[row], k, p)), (scale, k, p)
 
 
 def test_draw_picks_only_tokens_with_probability():

@@ -28,4 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_isas", &fused_isas, "fused-op instruction-set paths usable on this CPU");
   m.def("fused_set_isa", &fused_set_isa, "pin the fused-op path (-1: best)", py::arg("isa"));
   // ---- end fused.cpp ----
+  // ---- sampling.cpp ----
+  m.def("sampling_thresholds", &sampling_thresholds, "per-row top-k / top-p cut-off of unnormalised probabilities",
+        py::arg("e"), py::arg("top_k"), py::arg("top_p"));
+  // ---- end sampling.cpp ----
 }

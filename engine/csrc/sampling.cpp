@@ -1,0 +1,133 @@
+// Top-k / top-p cut-offs for the sampler rows its ranked candidates did not settle
+// (engine/sampler.py): a selection per row, O(vocab), instead of sorting the vocabulary.
+// A flat distribution (high temperature, an unfamiliar prompt) under top_p = 0.95 keeps
+// tens of thousands of tokens; torch's sort of 49,152 of them cost ~2.4 ms a row here.
+#include "ops.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+namespace {
+
+// Buckets of e by its float bits (e >= 0, so the bits order like the values): exponent and
+// the top 3 mantissa bits, 2048 buckets each spanning a factor of ~1.09.
+constexpr int kShift = 20;
+constexpr int kBuckets = 1 << (31 - kShift);
+
+inline int bucket_of(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return static_cast<int>(u >> kShift);
+}
+
+// The value at which the descending cumulative mass of v reaches target (it and every larger
+// value are inside), by weighted quickselect: split around a pivot into [> pivot][== pivot]
+// [< pivot] and follow the part where the mass reaches the target.
+float weighted_select(std::vector<float>& v, double target) {
+  auto lo = v.begin(), hi = v.end();
+  float last = v.empty() ? 0.f : *std::min_element(lo, hi);
+  while (hi - lo > 0) {
+    const float a = *lo, b = lo[(hi - lo) / 2], c = hi[-1];
+    const float pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));  // median of three
+    const auto gt = std::partition(lo, hi, [pivot](float x) { return x > pivot; });
+    const auto eq = std::partition(gt, hi, [pivot](float x) { return x == pivot; });
+    double mass_gt = 0.0;
+    for (auto it = lo; it != gt; ++it) mass_gt += *it;
+    if (gt != lo && mass_gt >= target) {
+      hi = gt;
+      continue;
+    }
+    const double mass_eq = static_cast<double>(eq - gt) * pivot;
+    if (mass_gt + mass_eq >= target) return pivot;
+    target -= mass_gt + mass_eq;
+    lo = eq;
+    last = pivot;
+  }
+  return last;  // only when rounding left the target above the mass: the smallest value seen
+}
+
+// e: one row of unnormalised probabilities (exp(logit - max)), all >= 0.  The smallest e a
+// token may have and survive top-k (the k-th largest) and then top-p (the token at which the
+// descending cumulative mass of the top-k set reaches p of it: it and every larger one
+// stay).  Tokens equal to a cut-off all stay.  One pass builds a histogram of counts and
+// mass by bucket; only the bucket where a cut falls is looked at element by element.
+float row_threshold(const float* e, int64_t V, int64_t k, double p, std::vector<float>& bucket) {
+  std::vector<int64_t> count(kBuckets, 0);
+  std::vector<double> mass(kBuckets, 0.0);
+  for (int64_t i = 0; i < V; ++i) {
+    const int b = bucket_of(e[i]);
+    count[b] += 1;
+    mass[b] += e[i];
+  }
+  auto gather = [&](int b, float at_least) {
+    bucket.clear();
+    for (int64_t i = 0; i < V; ++i)
+      if (bucket_of(e[i]) == b && e[i] >= at_least) bucket.push_back(e[i]);
+  };
+  float floor = 0.f;
+  int bk = -1;  // the bucket holding the k-th largest
+  double total = 0.0, partial_k = 0.0;
+  if (k > 0 && k < V) {
+    int64_t above = 0;
+    for (int b = kBuckets - 1; b >= 0; --b) {
+      if (above + count[b] >= k) {
+        bk = b;
+        break;
+      }
+      above += count[b];
+      total += mass[b];
+    }
+    gather(bk, 0.f);
+    const int64_t need = k - above;  // 1 <= need <= bucket size
+    std::nth_element(bucket.begin(), bucket.begin() + (need - 1), bucket.end(), std::greater<float>());
+    floor = bucket[need - 1];
+    for (float v : bucket)
+      if (v >= floor) partial_k += v;
+    total += partial_k;
+  } else {
+    for (int b = 0; b < kBuckets; ++b) total += mass[b];
+  }
+  if (p >= 1.0) return floor;
+  double target = p * total;
+  const int lowest = bk >= 0 ? bk : 0;
+  for (int b = kBuckets - 1; b >= lowest; --b) {
+    const double m = b == bk ? partial_k : mass[b];
+    if (count[b] == 0 || (m < target && b > lowest)) {
+      target -= m;
+      continue;
+    }
+    gather(b, b == bk ? floor : 0.f);
+    return std::max(weighted_select(bucket, target), floor);
+  }
+  return floor;
+}
+
+}  // namespace
+
+torch::Tensor sampling_thresholds(const torch::Tensor& e, const torch::Tensor& top_k, const torch::Tensor& top_p) {
+  TORCH_CHECK(e.dim() == 2 && e.scalar_type() == at::kFloat && e.is_contiguous() && e.device().is_cpu(),
+              "sampling_thresholds: e must be a contiguous float32 CPU matrix");
+  const int64_t R = e.size(0), V = e.size(1);
+  TORCH_CHECK(top_k.dim() == 1 && top_k.size(0) == R && top_k.scalar_type() == at::kLong,
+              "sampling_thresholds: top_k must be int64 [rows]");
+  TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == R && top_p.scalar_type() == at::kFloat,
+              "sampling_thresholds: top_p must be float32 [rows]");
+  const torch::Tensor kc = top_k.contiguous(), pc = top_p.contiguous();
+  torch::Tensor out = torch::empty({R}, e.options());
+  const float* ep = e.data_ptr<float>();
+  const int64_t* kp = kc.data_ptr<int64_t>();
+  const float* pp = pc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), R)));
+#pragma omp parallel num_threads(threads) if (threads > 1 && !omp_in_parallel())
+  {
+    std::vector<float> bucket;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < R; ++r) op[r] = row_threshold(ep + r * V, V, kp[r], pp[r], bucket);
+  }
+  return out;
+}
