@@ -163,6 +163,24 @@ def test_seed_reproducibility(client: openai.OpenAI) -> None:
     assert len(set(first)) > 1, "the n choices of one seeded request should differ"
 
 
+def test_wide_nucleus_sampling_is_seeded_and_completes(client: openai.OpenAI) -> None:
+    """temperature 2 with top_p 0.99 (or top_k 1000) keeps far more than the 64 best tokens:
+    those rows take the whole-vocabulary cut-off.  Seeded requests still repeat, choices differ."""
+    for extra in ({"top_p": 0.99}, {"top_p": 0.9, "extra_body": {"top_k": 1000, "ignore_eos": True}}):
+        kwargs = {"extra_body": {"ignore_eos": True}, **extra}
+
+        def sample() -> list[str]:
+            r = client.completions.create(
+                model=MODEL, prompt="zebra quantum pickle", max_tokens=8, temperature=2.0, seed=99, n=3, **kwargs
+            )
+            assert all(c.finish_reason == "length" for c in r.choices) and r.usage.completion_tokens == 24
+            return [c.text for c in r.choices]
+
+        first = sample()
+        assert sample() == first, extra
+        assert len(set(first)) > 1, extra
+
+
 def test_vllm_extras_are_accepted(client: openai.OpenAI) -> None:
     base = greedy(client, "The weather today is", max_tokens=6, extra_body={"ignore_eos": True}).choices[0].text
     r = client.completions.create(
