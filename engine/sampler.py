@@ -84,7 +84,8 @@ def _distributions(
     """Each sampled row's final distribution, in groups of ``(rows, token ids, probabilities)``.
 
     Temperature, then top-k and top-p, then min-p.  Rows without top-k/top-p come back over
-    the whole vocabulary (token ids ``None``); the others as their surviving candidates only.
+    the whole vocabulary (token ids ``None``); the others as their surviving candidates (or, cut
+    natively, over the whole vocabulary with zeros where the cut removed tokens).
     """
     if any(r.params.temperature != 1.0 for r in requests):
         temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype).unsqueeze(1)
