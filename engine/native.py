@@ -99,6 +99,15 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def module_with(name: str) -> Optional[ModuleType]:
+    """The extension when it has ``name`` (built on first use), else None: each group of
+    kernels asks for one of its own functions, so a stale or partial build disables only
+    the groups it lacks."""
+    mod = load()
+    return mod if mod is not None and hasattr(mod, name) else None
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     mod = load(verbose="-v" in sys.argv)

@@ -9,7 +9,6 @@ what else shares the batch.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -70,12 +69,11 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
 CANDIDATE_TIERS = (64, 1024)  # the second only without the native cut-off
 
 
-@functools.lru_cache(maxsize=1)
 def _native_thresholds() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
     from engine import native
 
-    mod = native.load()
-    return getattr(mod, "sampling_thresholds", None) if mod is not None else None
+    mod = native.module_with("sampling_thresholds")
+    return mod.sampling_thresholds if mod is not None else None
 
 
 def _distributions(

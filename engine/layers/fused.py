@@ -27,8 +27,7 @@ def _ops() -> Optional[Any]:
     if _native is _UNSET:
         from engine import native
 
-        mod = native.load()
-        _native = mod if mod is not None and hasattr(mod, "fused_rms_norm") else None
+        _native = native.module_with("fused_rms_norm")
     return _native
 
 

@@ -73,8 +73,7 @@ DEFAULT_ACT_BITS = 16
 def _native() -> Optional[Any]:
     from engine import native
 
-    mod = native.load()
-    return mod if mod is not None and hasattr(mod, "qlinear_forward") else None
+    return native.module_with("qlinear_forward")
 
 
 def native_available() -> bool:

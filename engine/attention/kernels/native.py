@@ -32,14 +32,10 @@ _BLOCK_MULTIPLE = {"amx": 16, "vec512": 8, "vec256": 8}
 _MODEL_DTYPES = {"amx": (torch.bfloat16,), "vec512": (torch.bfloat16, torch.float32), "vec256": (torch.bfloat16, torch.float32)}
 
 
-@functools.lru_cache(maxsize=1)
 def _ext():
     from engine import native
 
-    mod = native.load()
-    if mod is None or not hasattr(mod, "paged_attention"):
-        return None
-    return mod
+    return native.module_with("paged_attention")
 
 
 @functools.lru_cache(maxsize=1)
