@@ -175,13 +175,16 @@ DRAW_CHUNK = 1024
 
 def _lookup(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the first index whose cumulative weight exceeds ``u`` times the row's total,
-    and the cumulative weight before it.  Zero-weight entries are never chosen (the target
-    stays strictly below the total, and a zero adds nothing to the sum it would have to exceed)."""
+    and where the target falls inside that entry, as a fraction of its weight.  Zero-weight
+    entries are never chosen (the target stays strictly below the total, and a zero adds
+    nothing to the sum it would have to exceed)."""
     cdf = weights.cumsum(-1)
     total = cdf[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     idx = torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[1] - 1)
-    return idx.squeeze(1), (cdf.gather(1, idx) - weights.gather(1, idx)).squeeze(1)
+    weight = weights.gather(1, idx)
+    frac = (target - (cdf.gather(1, idx) - weight)) / weight
+    return idx.squeeze(1), frac.squeeze(1)
 
 
 def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -205,9 +208,7 @@ def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         probs = torch.nn.functional.pad(probs, (0, DRAW_CHUNK - vocab % DRAW_CHUNK))
     chunks = probs.view(rows, -1, DRAW_CHUNK)
     mass = chunks.sum(-1)
-    chunk, before = _lookup(mass, u)
-    # where in the chosen chunk the target falls, as a fraction of the chunk's mass
-    frac = (u.squeeze(1) * mass.sum(-1) - before) / mass.gather(1, chunk.unsqueeze(1)).squeeze(1)
+    chunk, frac = _lookup(mass, u)
     inside, _ = _lookup(chunks[torch.arange(rows), chunk], frac.clamp_(0.0, 1.0).unsqueeze(1))
     return chunk * DRAW_CHUNK + inside
 
