@@ -76,6 +76,20 @@ def _native_thresholds() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch
     return mod.sampling_thresholds if mod is not None else None
 
 
+def _native_argmax() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    from engine import native
+
+    mod = native.module_with("argmax_rows")
+    return mod.argmax_rows if mod is not None else None
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``; natively for float32 (torch's took ~0.44 ms for 32 rows of
+    49,152 logits, ~2% of a 32-row decode step; the native pass a few microseconds a row)."""
+    argmax = _native_argmax() if logits.dtype == torch.float32 and logits.shape[-1] > 0 else None
+    return argmax(logits) if argmax is not None else logits.argmax(dim=-1)
+
+
 def _distributions(
     logits: torch.Tensor, requests: list[Request]
 ) -> Iterator[tuple[list[int], Optional[torch.Tensor], torch.Tensor]]:
@@ -244,7 +258,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         _apply_penalties(logits, requests)
 
     greedy = any(r.params.greedy for r in requests)
-    tokens = logits.argmax(dim=-1) if greedy else torch.empty(len(requests), dtype=torch.long)
+    tokens = greedy_tokens(logits) if greedy else torch.empty(len(requests), dtype=torch.long)
     sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if sampled_rows:
         sub = [requests[i] for i in sampled_rows]

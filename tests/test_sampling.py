@@ -260,6 +260,30 @@ def test_native_cut_off_matches_a_full_sort_on_many_rows():
             assert torch.equal(kept[row], _full_sort_filter(logits[row], k, p)), (scale, k, p)
 
 
+def test_native_greedy_argmax_matches_torch():
+    """Greedy tokens come from the native argmax: the same index torch.argmax gives (first
+    maximum, first NaN) on ties, all -inf rows, NaNs, widths around the 16-lane vector, the
+    real vocabulary and rows of a strided view."""
+    if sampler._native_argmax() is None:
+        pytest.skip("native extension unavailable")
+    torch.manual_seed(3)
+    for width in (1, 5, 15, 16, 17, 33, 1000, 49152):
+        rows = torch.randn(12, width)
+        rows[1] = 0.0  # all tied: index 0
+        rows[2] = -float("inf")
+        rows[3, width // 2 :] = rows[3].max() + 1.0  # tie on the max: its first index
+        rows[4, -1] = float("inf")
+        rows[5, width // 3] = float("nan")
+        rows[6, -1] = float("nan")
+        rows[6, 0] = float("inf")
+        rows[7] = rows[7].round()  # many ties
+        rows[8, width - 1] = 100.0  # maximum in the tail past the last full vector
+        for x in (rows, rows[::2], rows[:, : max(1, width - 1)]):
+            assert torch.equal(sampler.greedy_tokens(x), x.argmax(dim=-1)), width
+    logits = torch.randn(3, 40)
+    assert torch.equal(sampler.greedy_tokens(logits.bfloat16()), logits.bfloat16().argmax(dim=-1))  # torch path
+
+
 def test_draw_picks_only_tokens_with_probability():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4 + [[0.0, 0.0, 0.0, 0.0, 1.0]])
     r = reqs(*[SamplingParams(temperature=1.0)] * 5)

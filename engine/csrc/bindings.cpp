@@ -31,5 +31,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- sampling.cpp ----
   m.def("sampling_thresholds", &sampling_thresholds, "per-row top-k / top-p cut-off of unnormalised probabilities",
         py::arg("e"), py::arg("top_k"), py::arg("top_p"));
+  m.def("argmax_rows", &argmax_rows, "per-row index of the first maximum (torch.argmax(x, -1))", py::arg("x"));
   // ---- end sampling.cpp ----
 }

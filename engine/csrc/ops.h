@@ -48,9 +48,12 @@ std::vector<int64_t> fused_isas();  // 0 scalar, 1 avx2, 2 avx512
 void fused_set_isa(int64_t isa);    // pin a path (tests); -1: best
 // ---- end fused.cpp ----
 
-// ---- sampling.cpp (top-k / top-p cut-offs; torch reference: the full sort in engine/sampler.py) ----
+// ---- sampling.cpp (top-k / top-p cut-offs and greedy argmax; torch references in engine/sampler.py) ----
 // e: float32 [R, V] unnormalised probabilities (exp(logit - row max)); top_k int64 [R] (<= 0 or
 // >= V: none); top_p float32 [R].  Returns float32 [R]: per row, the smallest e that survives
 // top-k and then top-p (tokens with e >= it are kept).
 torch::Tensor sampling_thresholds(const torch::Tensor& e, const torch::Tensor& top_k, const torch::Tensor& top_p);
+// x: float32 [R, V], rows contiguous.  Returns int64 [R]: torch.argmax(x, -1) (first maximum;
+// the first NaN where a row has one).
+torch::Tensor argmax_rows(const torch::Tensor& x);
 // ---- end sampling.cpp ----
