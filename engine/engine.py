@@ -138,10 +138,12 @@ class LLMEngine:
             large_act_bits=8 if large_int8 else 0,
         )
         if stats["packed"] or stats["quantized"]:
+            native_layers = self.runner.model.bind_packed_layers()
             logger.info(
-                "packed weights: %d from the file, %d quantized to Q8_0, %d dense (%.0f MiB); large batches: %s",
+                "packed weights: %d from the file, %d quantized to Q8_0, %d dense (%.0f MiB); large batches: %s; "
+                "%d layers on the native packed path",
                 stats["packed"], stats["quantized"], stats["dense"], stats["bytes"] / 2**20,
-                "packed, int8 activations" if large_int8 else "dense",
+                "packed, int8 activations" if large_int8 else "dense", native_layers,
             )
 
     # --- requests -----------------------------------------------------------------------

@@ -33,4 +33,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("e"), py::arg("top_k"), py::arg("top_p"));
   m.def("argmax_rows", &argmax_rows, "per-row index of the first maximum (torch.argmax(x, -1))", py::arg("x"));
   // ---- end sampling.cpp ----
+  // ---- decoder_layer.cpp ----
+  py::class_<PackedProjection>(m, "PackedProjection")
+      .def(py::init([](torch::Tensor data, int64_t qtype, int64_t n, int64_t k, c10::optional<torch::Tensor> bias,
+                       int64_t isa, int64_t act_bits, int64_t max_rows, int64_t large_act_bits) {
+             return PackedProjection{data, qtype, n, k, bias, isa, act_bits, max_rows, large_act_bits};
+           }),
+           py::arg("data"), py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("isa"),
+           py::arg("act_bits"), py::arg("max_rows"), py::arg("large_act_bits"));
+  py::class_<PackedDecoderLayer>(m, "PackedDecoderLayer")
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps, const PackedProjection& qkv,
+                       const PackedProjection& o, const PackedProjection& gate_up, const PackedProjection& down,
+                       int64_t head_size, int64_t q_size, int64_t kv_size) {
+             return PackedDecoderLayer{input_norm, post_norm, eps, qkv, o, gate_up, down, head_size, q_size, kv_size};
+           }),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_proj"), py::arg("o_proj"),
+           py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("head_size"), py::arg("q_size"), py::arg("kv_size"))
+      .def("pre_attention", &PackedDecoderLayer::pre_attention, py::arg("x"), py::arg("residual"),
+           py::arg("positions"), py::arg("cos_sin"))
+      .def("post_attention", &PackedDecoderLayer::post_attention, py::arg("attn_out"), py::arg("residual"));
+  // ---- end decoder_layer.cpp ----
 }

@@ -57,3 +57,27 @@ torch::Tensor sampling_thresholds(const torch::Tensor& e, const torch::Tensor& t
 // the first NaN where a row has one).
 torch::Tensor argmax_rows(const torch::Tensor& x);
 // ---- end sampling.cpp ----
+
+// ---- decoder_layer.cpp (a Llama layer's packed path around its attention; see engine/models/llama.py) ----
+// One packed projection with Linear.forward's routing (rows <= max_rows: act_bits, else large_act_bits).
+struct PackedProjection {
+  torch::Tensor data;
+  int64_t qtype, n, k;
+  c10::optional<torch::Tensor> bias;
+  int64_t isa, act_bits, max_rows, large_act_bits;
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+struct PackedDecoderLayer {
+  torch::Tensor input_norm, post_norm;
+  double eps;
+  PackedProjection qkv_proj, o_proj, gate_up_proj, down_proj;
+  int64_t head_size, q_size, kv_size;
+  // (qkv with RoPE applied to its q and k columns, residual); x and residual are updated in place
+  // as add_rms_norm_ does (no residual: x becomes it).
+  std::tuple<torch::Tensor, torch::Tensor> pre_attention(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                         const torch::Tensor& positions,
+                                                         const torch::Tensor& cos_sin) const;
+  // The MLP block's output; residual += o_proj(attn_out) in place.
+  torch::Tensor post_attention(const torch::Tensor& attn_out, torch::Tensor residual) const;
+};
+// ---- end decoder_layer.cpp ----

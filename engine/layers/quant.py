@@ -136,6 +136,11 @@ class PackedWeight:
         return self.shape[1]
 
     @property
+    def isa_id(self) -> int:
+        """The instruction-set path as the native op takes it (-1: the best one)."""
+        return self._isa_id
+
+    @property
     def nbytes(self) -> int:
         return self.data.numel()
 

@@ -1,0 +1,56 @@
+// One Llama decoder layer's packed path as two native calls around its attention.
+//
+// At batch 1 the kernels of a layer take ~30 us; the Python around them (module frames, the
+// Linear -> PackedWeight wrappers, eight pybind11 conversions, the qkv split) took ~25 us more,
+// ~0.7 ms of a ~3.5 ms decode forward.  When all four projections of a layer hold packed weights,
+// engine/models/llama.py runs the layer as
+//   pre_attention:  [residual +] RMSNorm -> qkv projection -> RoPE on q and k (in place)
+//   attention:      the attention layer, from Python (do_kv_cache_update, then forward)
+//   post_attention: o projection -> residual + RMSNorm -> gate_up projection -> SiLU * up -> down
+// The kernels, their order and their arguments are those of the modular path (the reference,
+// and the path for every other layer), so both give the same bits.
+#include "ops.h"
+
+namespace {
+
+const char* const kDeclined = "decoder layer: a fused op declined its inputs";
+
+}  // namespace
+
+torch::Tensor PackedProjection::operator()(const torch::Tensor& x) const {
+  // Linear.forward's routing: up to max_rows rows at the weight's own activation precision,
+  // larger batches at large_act_bits (PackedDecoderLayer is only used where that is set or the
+  // batch is small enough).
+  const int64_t bits = x.size(0) <= max_rows ? act_bits : large_act_bits;
+  return qlinear_forward(x, data, qtype, n, k, bias, isa, bits);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> PackedDecoderLayer::pre_attention(torch::Tensor x,
+                                                                           c10::optional<torch::Tensor> residual,
+                                                                           const torch::Tensor& positions,
+                                                                           const torch::Tensor& cos_sin) const {
+  torch::Tensor normed, res;
+  if (residual.has_value()) {  // residual += x; x = norm(residual)
+    res = *residual;
+    TORCH_CHECK(fused_add_rms_norm_(x, res, input_norm, eps), kDeclined);
+    normed = x;
+  } else {  // first layer: x is the residual stream
+    auto n = fused_rms_norm(x, input_norm, eps);
+    TORCH_CHECK(n.has_value(), kDeclined);
+    normed = *n;
+    res = x;
+  }
+  torch::Tensor qkv = qkv_proj(normed);
+  TORCH_CHECK(fused_rope(positions, qkv.narrow(1, 0, q_size), qkv.narrow(1, q_size, kv_size), cos_sin, head_size, true)
+                  .has_value(),
+              kDeclined);
+  return {qkv, res};
+}
+
+torch::Tensor PackedDecoderLayer::post_attention(const torch::Tensor& attn_out, torch::Tensor residual) const {
+  torch::Tensor h = o_proj(attn_out);
+  TORCH_CHECK(fused_add_rms_norm_(h, residual, post_norm, eps), kDeclined);
+  auto act = fused_silu_and_mul(gate_up_proj(h));
+  TORCH_CHECK(act.has_value(), kDeclined);
+  return down_proj(*act);
+}
