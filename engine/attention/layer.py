@@ -51,6 +51,13 @@ class Attention(nn.Module):
         self.impl = self.backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, block_size, model_dtype, attn_type.value
         )
+        # The guards that do not change per call: a backend that writes in forward, a layer that
+        # reads another layer's cache, and encoder-only attention never write it here.
+        self.writes_kv_cache = (
+            not self.backend.forward_includes_kv_cache_update
+            and kv_sharing_target_layer_name is None
+            and attn_type != AttentionType.ENCODER_ONLY
+        )
         # Bound by the model runner (bind_kv_cache); shared layers get the target's tensor.
         self.kv_cache: torch.Tensor = torch.empty(0)
         # fp8 cache scales: cache holds x / scale.
@@ -70,13 +77,7 @@ class Attention(nn.Module):
         output = torch.empty_like(query)
 
         t0 = time.perf_counter()
-        if (
-            not self.backend.forward_includes_kv_cache_update
-            and self.kv_sharing_target_layer_name is None
-            and key is not None
-            and value is not None
-            and self.attn_type != AttentionType.ENCODER_ONLY
-        ):
+        if self.writes_kv_cache and key is not None and value is not None:
             self.impl.do_kv_cache_update(self, key, value, self.kv_cache, meta.slot_mapping)
         t1 = time.perf_counter()
         self.impl.forward(self, query, key, value, self.kv_cache, meta, output)

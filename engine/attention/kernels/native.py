@@ -17,7 +17,7 @@ built once (``python -m engine.native``); without it every call runs the ``ref``
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -32,10 +32,19 @@ _BLOCK_MULTIPLE = {"amx": 16, "vec512": 8, "vec256": 8}
 _MODEL_DTYPES = {"amx": (torch.bfloat16,), "vec512": (torch.bfloat16, torch.float32), "vec256": (torch.bfloat16, torch.float32)}
 
 
-def _ext():
-    from engine import native
+_UNSET: Any = object()
+_ext_module: Any = _UNSET
 
-    return native.module_with("paged_attention")
+
+def _ext() -> Any:
+    """The extension when it has the attention kernels (built on first use), else None; kept in a
+    module global since every layer of every step calls it."""
+    global _ext_module
+    if _ext_module is _UNSET:
+        from engine import native
+
+        _ext_module = native.module_with("paged_attention")
+    return _ext_module
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention.kernels import ref
+from engine.attention.kernels import native, ref
 
 if TYPE_CHECKING:
     from engine.attention.backends.cpu import CPUAttentionMetadata
@@ -36,8 +36,6 @@ def cpu_flags() -> frozenset[str]:
 
 def native_isas() -> frozenset[str]:
     """ISAs the native extension was built with and this CPU can run; empty when there is none."""
-    from engine.attention.kernels import native
-
     return native.available_isas()
 
 
@@ -125,8 +123,6 @@ def reshape_and_cache(
     if isa == "ref":
         ref.reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     else:
-        from engine.attention.kernels import native
-
         native.reshape_and_cache(isa, key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
 
@@ -146,6 +142,4 @@ def paged_attention(
         sl = meta.seq_lens_list if meta.seq_lens_list is not None else meta.seq_lens.tolist()
         ref.paged_attention(query, kv_cache, qsl, sl, meta.block_table, scale, k_scale, v_scale, output, meta.causal)
     else:
-        from engine.attention.kernels import native
-
         native.paged_attention(isa, query, kv_cache, meta, scale, kv_cache_dtype, k_scale, v_scale, output)
