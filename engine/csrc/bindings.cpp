@@ -1,37 +1,41 @@
 // The one Python module of the extension: plain pybind11 functions (no dispatcher
-// hop), since several of these run on every layer of every step.
+// hop), since several of these run on every layer of every step.  The kernels run without
+// the GIL (they touch no Python object), as torch's own ops do: the server's HTTP thread
+// can then answer requests, /health and /metrics while a step computes.  Measured on the
+// 2-core host, alternating runs: c=1 TPOT 4.4/4.1 -> 4.2/3.7 ms, c=32 1036/1004 -> 1048/1048 tok/s.
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("cpu_has_amx", &cpu_has_amx, "AMX tiles usable by this process");
   // ---- qlinear.cpp ----
-  m.def("qlinear_forward", &qlinear_forward, "packed GGUF-block matmul", py::arg("x"), py::arg("packed"),
+  m.def("qlinear_forward", &qlinear_forward, "packed GGUF-block matmul", nogil, py::arg("x"), py::arg("packed"),
         py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(), py::arg("isa") = -1,
         py::arg("act_bits") = 16);
   m.def("qlinear_isas", &qlinear_isas, "qlinear instruction-set paths usable on this CPU");
   m.def("qlinear_best_isa", &qlinear_best_isa, "the qlinear path used by default");
   // ---- end qlinear.cpp ----
   // ---- attention.cpp ----
-  m.def("paged_attention", &paged_attention, "paged attention over the KV cache (writes output)");
-  m.def("reshape_and_cache", &reshape_and_cache, "write new keys/values into their KV-cache slots");
+  m.def("paged_attention", &paged_attention, "paged attention over the KV cache (writes output)", nogil);
+  m.def("reshape_and_cache", &reshape_and_cache, "write new keys/values into their KV-cache slots", nogil);
   m.def("attention_isas", &attention_isas, "attention ISAs usable on this CPU");
   // ---- end attention.cpp ----
   // ---- fused.cpp ----
-  m.def("fused_rms_norm", &fused_rms_norm, "RMSNorm", py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "(rms_norm(x + residual), x + residual)", py::arg("x"),
+  m.def("fused_rms_norm", &fused_rms_norm, "RMSNorm", nogil, py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "(rms_norm(x + residual), x + residual)", nogil, py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("fused_add_rms_norm_", &fused_add_rms_norm_, "in place: residual += x; x = rms_norm(residual)",
+  m.def("fused_add_rms_norm_", &fused_add_rms_norm_, "in place: residual += x; x = rms_norm(residual)", nogil,
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("fused_silu_and_mul", &fused_silu_and_mul, "SiLU(gate) * up", py::arg("gate_up"));
-  m.def("fused_rope", &fused_rope, "NeoX rotary embedding of q and k", py::arg("positions"), py::arg("q"),
+  m.def("fused_silu_and_mul", &fused_silu_and_mul, "SiLU(gate) * up", nogil, py::arg("gate_up"));
+  m.def("fused_rope", &fused_rope, "NeoX rotary embedding of q and k", nogil, py::arg("positions"), py::arg("q"),
         py::arg("k"), py::arg("cos_sin"), py::arg("head_size"), py::arg("inplace"));
   m.def("fused_isas", &fused_isas, "fused-op instruction-set paths usable on this CPU");
   m.def("fused_set_isa", &fused_set_isa, "pin the fused-op path (-1: best)", py::arg("isa"));
   // ---- end fused.cpp ----
   // ---- sampling.cpp ----
-  m.def("sampling_thresholds", &sampling_thresholds, "per-row top-k / top-p cut-off of unnormalised probabilities",
+  m.def("sampling_thresholds", &sampling_thresholds, "per-row top-k / top-p cut-off of unnormalised probabilities", nogil,
         py::arg("e"), py::arg("top_k"), py::arg("top_p"));
-  m.def("argmax_rows", &argmax_rows, "per-row index of the first maximum (torch.argmax(x, -1))", py::arg("x"));
+  m.def("argmax_rows", &argmax_rows, "per-row index of the first maximum (torch.argmax(x, -1))", nogil, py::arg("x"));
   // ---- end sampling.cpp ----
   // ---- decoder_layer.cpp ----
   py::class_<PackedProjection>(m, "PackedProjection")
@@ -49,8 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_proj"), py::arg("o_proj"),
            py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("head_size"), py::arg("q_size"), py::arg("kv_size"))
-      .def("pre_attention", &PackedDecoderLayer::pre_attention, py::arg("x"), py::arg("residual"),
+      .def("pre_attention", &PackedDecoderLayer::pre_attention, nogil, py::arg("x"), py::arg("residual"),
            py::arg("positions"), py::arg("cos_sin"))
-      .def("post_attention", &PackedDecoderLayer::post_attention, py::arg("attn_out"), py::arg("residual"));
+      .def("post_attention", &PackedDecoderLayer::post_attention, nogil, py::arg("attn_out"), py::arg("residual"));
   // ---- end decoder_layer.cpp ----
 }
