@@ -183,20 +183,22 @@ def test_a_failing_step_fails_only_its_requests(loaded):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
-def test_native_packed_layers_match_the_modular_path(loaded):
-    """The serving configuration (bf16, the GGUF's packed weights) runs each decoder layer as two
-    native calls around its attention layer (engine/csrc/decoder_layer.cpp).  They run the
-    modular path's kernels in its order, so a mixed batch (decodes, a 100-token prompt above the
-    small-batch row limit, prompts chunked by the token budget) gives the same tokens and the
-    same log-probabilities, to the bit, with the native path on and off."""
-    bf16 = load_model("default", torch.bfloat16)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_native_packed_layers_match_the_modular_path(loaded, dtype):
+    """With the GGUF's packed weights each decoder layer runs as two native calls around its
+    attention layer (engine/csrc/decoder_layer.cpp).  They run the modular path's kernels in its
+    order, so a mixed batch (decodes, a 100-token prompt above the small-batch row limit, prompts
+    chunked by the token budget) gives the same tokens and the same log-probabilities, to the
+    bit, with the native path on and off.  (bf16 sends large batches to the packed kernel with
+    int8 activations; float32 sends them to the dense matmul, i.e. the modular path.)"""
+    model = loaded if dtype == "float32" else load_model("default", torch.bfloat16)
     cfg = EngineConfig(
         model="default",
-        dtype="bfloat16",
+        dtype=dtype,
         cache=CacheConfig(num_blocks=256, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8),
     )
-    engine = LLMEngine(cfg, loaded=bf16)
+    engine = LLMEngine(cfg, loaded=model)
     layers = engine.runner.model.layers
     assert all(layer.packed is not None for layer in layers)
     prompts = PROMPTS[:4] + [" ".join(["word"] * 100)]
