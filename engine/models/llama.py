@@ -113,8 +113,8 @@ class LlamaDecoderLayer(nn.Module):
     def bind_packed(self) -> bool:
         """Route this layer through the native composite when all four projections hold packed
         weights (and the extension has it): the same kernels in the same order as the modular
-        path below, minus ~25 us of Python per layer and step (~0.7 ms of a 3.5 ms batch-1
-        forward)."""
+        path below, minus most of the Python around them (batch-1 forward + logits 3.48 ->
+        2.95 ms)."""
         from engine import native
 
         mod = native.module_with("PackedDecoderLayer")
