@@ -69,24 +69,18 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
 CANDIDATE_TIERS = (64, 1024)  # the second only without the native cut-off
 
 
-def _native_thresholds() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
+def _native_op(name: str) -> Optional[Callable[..., torch.Tensor]]:
+    """The extension's sampler kernel ``name`` (engine/csrc/sampling.cpp), None without it."""
     from engine import native
 
-    mod = native.module_with("sampling_thresholds")
-    return mod.sampling_thresholds if mod is not None else None
-
-
-def _native_argmax() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    from engine import native
-
-    mod = native.module_with("argmax_rows")
-    return mod.argmax_rows if mod is not None else None
+    mod = native.module_with(name)
+    return getattr(mod, name) if mod is not None else None
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)``; natively for float32 (torch's took ~0.44 ms for 32 rows of
     49,152 logits, ~2% of a 32-row decode step; the native pass a few microseconds a row)."""
-    argmax = _native_argmax() if logits.dtype == torch.float32 and logits.shape[-1] > 0 else None
+    argmax = _native_op("argmax_rows") if logits.dtype == torch.float32 and logits.shape[-1] > 0 else None
     return argmax(logits) if argmax is not None else logits.argmax(dim=-1)
 
 
@@ -145,7 +139,7 @@ def _top_k_top_p(
     what a full descending sort would keep (the native cut keeps every token tied with the
     last one kept)."""
     num_rows, vocab = logits.shape
-    thresholds = _native_thresholds()
+    thresholds = _native_op("sampling_thresholds")
     tiers = CANDIDATE_TIERS[:1] if thresholds is not None else CANDIDATE_TIERS
     e: Optional[torch.Tensor] = None  # exp(logit - row max) of ``rows``, once a tier needed it
     for num_cand in [c for c in tiers if c < vocab] + [vocab]:

@@ -220,10 +220,10 @@ def test_top_k_top_p_keep_exactly_what_a_full_sort_keeps(vocab: int, path: str, 
     """Rows settled by the best candidates and rows that need the whole vocabulary (a
     near-flat distribution, top_k above the candidate count) keep the same tokens, through
     the native cut-off and through the torch fallback's tiers and full sort."""
-    if path == "native" and sampler._native_thresholds() is None:
+    if path == "native" and sampler._native_op("sampling_thresholds") is None:
         pytest.skip("native extension unavailable")
     if path == "torch":
-        monkeypatch.setattr(sampler, "_native_thresholds", lambda: None)
+        monkeypatch.setattr(sampler, "_native_op", lambda name: None)
     torch.manual_seed(vocab)
     cases = [(0, 0.9), (40, 1.0), (40, 0.5), (0, 1.0), (3000, 0.99), (0, 0.999), (1, 0.9), (7, 0.2)]
     logits = torch.randn(len(cases), vocab) * torch.tensor([4.0, 2.0, 1.0, 1.0, 0.05, 0.01, 1.0, 3.0]).unsqueeze(1)
@@ -244,7 +244,7 @@ def test_native_cut_off_matches_a_full_sort_on_many_rows():
     """The native top-k / top-p cut-off (histogram + selection) against the sort-based
     definition, over flat and peaked rows, small and large k and p, including rows whose
     cut falls inside a crowded histogram bucket."""
-    cut_off = sampler._native_thresholds()
+    cut_off = sampler._native_op("sampling_thresholds")
     if cut_off is None:
         pytest.skip("native extension unavailable")
     torch.manual_seed(7)
@@ -264,7 +264,7 @@ def test_native_greedy_argmax_matches_torch():
     """Greedy tokens come from the native argmax: the same index torch.argmax gives (first
     maximum, first NaN) on ties, all -inf rows, NaNs, widths around the 16-lane vector, the
     real vocabulary and rows of a strided view."""
-    if sampler._native_argmax() is None:
+    if sampler._native_op("argmax_rows") is None:
         pytest.skip("native extension unavailable")
     torch.manual_seed(3)
     for width in (1, 5, 15, 16, 17, 33, 1000, 49152):

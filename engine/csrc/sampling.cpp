@@ -10,9 +10,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#include <cmath>
-
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <vector>
@@ -113,9 +112,9 @@ float row_threshold(const float* e, int64_t V, int64_t k, double p, std::vector<
 }
 
 // torch.argmax's answer for one row: the first maximum, or the first NaN if there is one.
-int64_t argmax_scalar(const float* x, int64_t n) {
-  int64_t best = 0;
-  for (int64_t i = 0; i < n; ++i) {
+// Scans [from, n) on from the first maximum `best` of [0, from), which holds no NaN.
+int64_t argmax_scalar(const float* x, int64_t n, int64_t from = 0, int64_t best = 0) {
+  for (int64_t i = from; i < n; ++i) {
     if (std::isnan(x[i])) return i;
     if (x[i] > x[best]) best = i;
   }
@@ -143,12 +142,7 @@ __attribute__((target("avx512f"))) int64_t argmax_avx512(const float* x, int64_t
   if (nan) return argmax_scalar(x, n);
   const float m = _mm512_reduce_max_ps(best);
   const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-  int64_t arg = _mm512_mask_reduce_min_epi32(at_max, best_i);
-  for (; i < n; ++i) {  // the tail, in order
-    if (std::isnan(x[i])) return i;
-    if (x[i] > x[arg]) arg = i;
-  }
-  return arg;
+  return argmax_scalar(x, n, i, _mm512_mask_reduce_min_epi32(at_max, best_i));  // then the tail
 }
 
 }  // namespace
