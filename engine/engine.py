@@ -131,19 +131,26 @@ class LLMEngine:
         from engine.layers import quant
 
         large_int8 = self.config.large_batch_int8
+        rows_int8 = large_int8 and self.config.large_batch_rows_int8
+        if rows_int8 and not quant.rows_int8_fast():
+            logger.info("no AVX-512 VNNI here: large batches use the packed blocks, not row-int8 copies")
+            rows_int8 = False
         stats = quant.attach_gguf_weights(
             self.runner.model,
             loaded.gguf_tensors,
             quantize_dense=self.config.weight_quant == "q8_0",
             large_act_bits=8 if large_int8 else 0,
+            rows_int8=rows_int8,
         )
         if stats["packed"] or stats["quantized"]:
             native_layers = self.runner.model.bind_packed_layers()
+            large = "dense"
+            if large_int8:
+                large = "packed, int8 activations" + (f"; row-int8 copies from {quant.ROWS_INT8_MIN_ROWS} rows" if rows_int8 else "")
             logger.info(
                 "packed weights: %d from the file, %d quantized to Q8_0, %d dense (%.0f MiB); large batches: %s; "
                 "%d layers on the native packed path",
-                stats["packed"], stats["quantized"], stats["dense"], stats["bytes"] / 2**20,
-                "packed, int8 activations" if large_int8 else "dense", native_layers,
+                stats["packed"], stats["quantized"], stats["dense"], stats["bytes"] / 2**20, large, native_layers,
             )
 
     # --- requests -----------------------------------------------------------------------

@@ -258,9 +258,14 @@ def test_large_batch_matmul_setting():
     from engine.config import EngineConfig
 
     assert EngineConfig(dtype="bfloat16").large_batch_int8
+    assert EngineConfig(dtype="bfloat16").large_batch_rows_int8
     assert not EngineConfig(dtype="float32").large_batch_int8  # float32 runs stay exact
+    assert not EngineConfig(dtype="float32").large_batch_rows_int8
     assert not EngineConfig(dtype="bfloat16", large_batch_matmul="dense").large_batch_int8
     assert EngineConfig(dtype="float32", large_batch_matmul="int8").large_batch_int8
+    assert not EngineConfig(dtype="bfloat16", large_batch_matmul="int8").large_batch_rows_int8
+    rows = EngineConfig(dtype="float32", large_batch_matmul="int8_rows")
+    assert rows.large_batch_int8 and rows.large_batch_rows_int8
     with pytest.raises(ValueError):
         EngineConfig(large_batch_matmul="fp4")
 
@@ -412,3 +417,108 @@ def test_attach_default_model(smollm2_reader):
         assert torch.equal(w.to(torch.bfloat16), lin.weight)  # same rows, same order as the dense path
         x = torch.randn(2, lin.in_features).to(torch.bfloat16)
         check_output(lin(x), x, w)
+
+
+# ---------------------------------------------------------------- row-scaled int8 copies (large batches)
+
+ROWS_ISAS = ["scalar", "avx512-vnni"]
+
+
+@pytest.fixture(params=ROWS_ISAS)
+def rows_isa(request):
+    if request.param not in Q.available_isas():
+        pytest.skip(f"{request.param} not supported on this CPU")
+    return request.param
+
+
+def test_rows_int8_quantization_bounds_and_layout():
+    """Each weight moves by at most half a step of its row (row max / 127); all-zero rows stay
+    zero; dequantize() inverts the packing exactly (values on the int8 grid come back as they were)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 96, generator=g)
+    w[5] = 0
+    w[9] *= 100  # an outlier row has its own scale
+    rw = Q.quantize_rows_int8(w)
+    wd = rw.dequantize()
+    assert wd.shape == w.shape
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert bool(((wd - w).abs() <= step / 2 * (1 + 1e-6)).all())
+    assert bool((wd[5] == 0).all())
+    torch.testing.assert_close(Q.quantize_rows_int8(wd).dequantize(), wd, rtol=1e-6, atol=0)
+    assert rw.nbytes == 48 * 96 + 4 * 48  # padded to 3 groups of 16 rows
+    with pytest.raises(ValueError):
+        Q.quantize_rows_int8(torch.randn(4, 40))
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 32, 97])
+@pytest.mark.parametrize("n", [16, 40, 80])  # one group; an odd count with padding; pairs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_int8_matmul(rows_isa, m, n, dtype):
+    """The kernel multiplies int8-per-32-block activations by exactly dequantize()'s weights."""
+    k = 96
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    rw = Q.quantize_rows_int8(torch.randn(n, k, generator=g) * 0.05, rows_isa)
+    bias = torch.randn(n, generator=g).to(dtype)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    check_output(rw(x), x, rw.dequantize(), bits=8)
+    check_output(rw(x, bias), x, rw.dequantize(), bias, bits=8)
+
+
+def test_rows_int8_paths_agree_and_take_views():
+    if "avx512-vnni" not in Q.available_isas():
+        pytest.skip("avx512-vnni not supported on this CPU")
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(200, 576, generator=g) * 0.05
+    x = torch.randn(3, 40, 576, generator=g)[:, ::2]  # strided 3-D input
+    fast, ref = Q.quantize_rows_int8(w, "avx512-vnni"), Q.quantize_rows_int8(w, "scalar")
+    y = fast(x)
+    assert y.shape == (3, 20, 200)
+    torch.testing.assert_close(y, ref(x), atol=1e-5, rtol=1e-5)  # same integer sums and float steps
+    torch.testing.assert_close(y, fast(x.contiguous()), atol=0, rtol=0)
+
+
+def test_linear_routes_large_batches_to_rows_int8():
+    """Small batches: the packed blocks at 16-bit activations; then the blocks with int8
+    activations; from ROWS_INT8_MIN_ROWS rows the row-int8 copy (each result bit-identical to
+    calling that path directly)."""
+    n, k = 48, 128
+    raw = random_blocks("Q4_1", n, k)
+    lin = Linear(k, n, bias=True, dtype=torch.bfloat16)
+    lin.weight.data.copy_(gguf_dequantize(raw, "Q4_1", (n, k)))
+    lin.bias.data.normal_()
+    pw = Q.PackedWeight(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16)
+    assert Q.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
+    assert lin.rows_int8 is not None and lin.rows_int8_min_rows == Q.ROWS_INT8_MIN_ROWS
+    torch.testing.assert_close(lin.rows_int8.dequantize(), Q.quantize_rows_int8(pw.dequantize()).dequantize())
+    for m in (Q.MAX_ROWS_BEFORE_INT8, Q.MAX_ROWS_BEFORE_INT8 + 1, Q.ROWS_INT8_MIN_ROWS - 1, Q.ROWS_INT8_MIN_ROWS, 300):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        if m <= Q.MAX_ROWS_BEFORE_INT8:
+            want = pw(x, lin.bias)
+        elif m < Q.ROWS_INT8_MIN_ROWS:
+            want = pw(x, lin.bias, 8)
+        else:
+            want = lin.rows_int8(x, lin.bias)
+        torch.testing.assert_close(lin(x), want, atol=0, rtol=0, msg=f"{m} rows")
+    # without large_act_bits there is no copy: large batches stay dense
+    plain = Linear(k, n, bias=False, dtype=torch.bfloat16)
+    assert Q.attach_packed(plain, pw, rows_int8=True)
+    assert plain.rows_int8 is None
+
+
+def test_engine_builds_row_int8_copies_by_default(smollm2_reader):
+    """A bfloat16 engine on the default model keeps a row-int8 copy of every packed projection
+    (where the fast kernel exists); "int8" and float32 runs keep none."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import LLMEngine
+    from engine.layers.linear import Linear as L
+
+    def copies(cfg: EngineConfig) -> tuple[int, int]:
+        eng = LLMEngine(cfg)
+        lins = [mod for mod in eng.runner.model.modules() if isinstance(mod, L) and mod.packed is not None]
+        return len(lins), sum(mod.rows_int8 is not None for mod in lins)
+
+    packed, rows = copies(EngineConfig(model="default", cache=CacheConfig(num_blocks=16)))
+    assert packed == 4 * 30 + 1
+    assert rows == (packed if Q.rows_int8_fast() else 0)
+    assert copies(EngineConfig(model="default", large_batch_matmul="int8", cache=CacheConfig(num_blocks=16)))[1] == 0
+    assert copies(EngineConfig(model="default", dtype="float32", cache=CacheConfig(num_blocks=16)))[1] == 0

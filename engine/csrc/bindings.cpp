@@ -12,6 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_forward", &qlinear_forward, "packed GGUF-block matmul", nogil, py::arg("x"), py::arg("packed"),
         py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(), py::arg("isa") = -1,
         py::arg("act_bits") = 16);
+  m.def("qlinear_rows_forward", &qlinear_rows_forward, "row-scaled int8 matmul (large batches)", nogil, py::arg("x"),
+        py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
+        py::arg("isa") = -1);
   m.def("qlinear_isas", &qlinear_isas, "qlinear instruction-set paths usable on this CPU");
   m.def("qlinear_best_isa", &qlinear_best_isa, "the qlinear path used by default");
   // ---- end qlinear.cpp ----
@@ -40,11 +43,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- decoder_layer.cpp ----
   py::class_<PackedProjection>(m, "PackedProjection")
       .def(py::init([](torch::Tensor data, int64_t qtype, int64_t n, int64_t k, c10::optional<torch::Tensor> bias,
-                       int64_t isa, int64_t act_bits, int64_t max_rows, int64_t large_act_bits) {
-             return PackedProjection{data, qtype, n, k, bias, isa, act_bits, max_rows, large_act_bits};
+                       int64_t isa, int64_t act_bits, int64_t max_rows, int64_t large_act_bits,
+                       c10::optional<torch::Tensor> rows_data, c10::optional<torch::Tensor> rows_scales,
+                       int64_t rows_isa, int64_t rows_min_rows) {
+             TORCH_CHECK(rows_data.has_value() == rows_scales.has_value(), "rows_data and rows_scales go together");
+             return PackedProjection{data, qtype, n, k, bias, isa, act_bits, max_rows, large_act_bits,
+                                     rows_data, rows_scales, rows_isa, rows_min_rows};
            }),
            py::arg("data"), py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("isa"),
-           py::arg("act_bits"), py::arg("max_rows"), py::arg("large_act_bits"));
+           py::arg("act_bits"), py::arg("max_rows"), py::arg("large_act_bits"), py::arg("rows_data") = py::none(),
+           py::arg("rows_scales") = py::none(), py::arg("rows_isa") = -1, py::arg("rows_min_rows") = 0);
   py::class_<PackedDecoderLayer>(m, "PackedDecoderLayer")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps, const PackedProjection& qkv,
                        const PackedProjection& o, const PackedProjection& gate_up, const PackedProjection& down,

@@ -20,10 +20,13 @@ const char* const kDeclined = "decoder layer: a fused op declined its inputs";
 
 torch::Tensor PackedProjection::operator()(const torch::Tensor& x) const {
   // Linear.forward's routing: up to max_rows rows at the weight's own activation precision,
-  // larger batches at large_act_bits (PackedDecoderLayer is only used where that is set or the
-  // batch is small enough).
-  const int64_t bits = x.size(0) <= max_rows ? act_bits : large_act_bits;
-  return qlinear_forward(x, data, qtype, n, k, bias, isa, bits);
+  // larger batches on the row-scaled int8 copy from rows_min_rows rows, else at large_act_bits
+  // (PackedDecoderLayer is only used where that is set or the batch is small enough).
+  const int64_t m = x.size(0);
+  if (m <= max_rows) return qlinear_forward(x, data, qtype, n, k, bias, isa, act_bits);
+  if (rows_data.has_value() && m >= rows_min_rows)
+    return qlinear_rows_forward(x, *rows_data, *rows_scales, n, k, bias, rows_isa);
+  return qlinear_forward(x, data, qtype, n, k, bias, isa, large_act_bits);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> PackedDecoderLayer::pre_attention(torch::Tensor x,

@@ -11,6 +11,10 @@ bool cpu_has_amx();  // also asks the kernel for AMX tile state permission
 // act_bits: 8 (activations rounded to int8 per 32-block, llama.cpp-style) or 16 (15-bit, ~exact).
 torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n,
                               int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits);
+// Row-scaled int8 weights (layout in qlinear.h; scales float32 [groups * 16]), int8 activations;
+// isa: -1 best, 0 scalar, 3 avx512-vnni (the only two paths).
+torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                   int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa);
 std::vector<int64_t> qlinear_isas();  // usable paths: 0 scalar, 1 avx2, 2 avx-vnni, 3 avx512-vnni
 int64_t qlinear_best_isa();
 // ---- end qlinear.cpp ----
@@ -59,12 +63,15 @@ torch::Tensor argmax_rows(const torch::Tensor& x);
 // ---- end sampling.cpp ----
 
 // ---- decoder_layer.cpp (a Llama layer's packed path around its attention; see engine/models/llama.py) ----
-// One packed projection with Linear.forward's routing (rows <= max_rows: act_bits, else large_act_bits).
+// One packed projection with Linear.forward's routing: rows <= max_rows at act_bits; larger
+// batches from rows_min_rows rows on the row-scaled int8 copy when there is one, else at large_act_bits.
 struct PackedProjection {
   torch::Tensor data;
   int64_t qtype, n, k;
   c10::optional<torch::Tensor> bias;
   int64_t isa, act_bits, max_rows, large_act_bits;
+  c10::optional<torch::Tensor> rows_data, rows_scales;
+  int64_t rows_isa, rows_min_rows;
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
 struct PackedDecoderLayer {

@@ -14,6 +14,12 @@
 //   Q8_0: 8 chunks of (q XOR 0x80), i.e. q + 128 as unsigned; 16 fp16 d; value = d * q -> 544 bytes
 //
 // The last group is padded with zero rows.  engine/layers/quant.py builds this layout.
+//
+// Row-scaled int8 (large batches, built from any of the above by engine/layers/quant.py): the
+// same groups of 16 rows and 32-blocks, 8 chunks of (q + 128) per group-block as in Q8_0, but one
+// float scale per output row (value = scale[row] * q), kept in a separate float32 tensor.  With
+// no per-block weight scale, a block's integer dot product needs one convert and one FMA (by the
+// activation block's scale), instead of four float operations, and no nibble unpacking.
 #pragma once
 #include <cstdint>
 
@@ -21,6 +27,7 @@ namespace qlinear {
 
 constexpr int kGroupRows = 16;
 constexpr int kBlock = 32;
+constexpr int kRowsBlockBytes = kGroupRows * kBlock;  // a row-scaled int8 group-block
 
 // GGML type ids, the qtype argument of the ops.
 enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };

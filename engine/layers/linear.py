@@ -4,7 +4,8 @@ Small batches (decode) are memory-bound: reading 4-bit or 8-bit blocks instead
 of bf16 cuts the bytes per token, so they go to the packed kernel when one is
 attached.  Large batches (prefill) are compute-bound: they go to the dense matmul,
 or, where the engine allows it (``large_act_bits``), to the packed kernel with
-int8 activations, whose integer dot products outrun bf16 ones.
+int8 activations, whose integer dot products outrun bf16 ones, and from a few more
+rows on to a row-scaled int8 copy of the weight (``rows_int8``), faster still.
 """
 
 from __future__ import annotations
@@ -26,11 +27,17 @@ class Linear(nn.Module):
         self.packed: Optional[Any] = None  # set by engine.layers.quant.attach_packed()
         self.packed_max_rows = 0
         self.large_act_bits = 0  # > 0: batches above packed_max_rows also go to the packed kernel
+        # Set with large_act_bits by attach_packed: a row-scaled int8 copy for batches of at least
+        # rows_int8_min_rows rows (engine.layers.quant.RowInt8Weight).
+        self.rows_int8: Optional[Any] = None
+        self.rows_int8_min_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             if x.shape[0] <= self.packed_max_rows:
                 return self.packed(x, self.bias)
+            if self.rows_int8 is not None and x.shape[0] >= self.rows_int8_min_rows:
+                return self.rows_int8(x, self.bias)
             if self.large_act_bits:
                 return self.packed(x, self.bias, self.large_act_bits)
         return F.linear(x, self.weight, self.bias)

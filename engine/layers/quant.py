@@ -64,6 +64,12 @@ DEFAULT_MAX_ROWS = MAX_ROWS[("Q4", 16)]
 # where it costs nothing: up to 4 rows, memory-bound.  From 8 rows int8 is ~1.4x faster.
 MAX_ROWS_BEFORE_INT8 = 4
 
+# Batches of at least this many rows (above the small-batch limit) use the row-scaled int8 copy
+# when there is one: at 8 rows it matches the block kernel (1.0-1.2x), from 16 it is 1.2-1.4x
+# faster (benchmarks/linear_kernels.py, 2-core AVX-512 VNNI host); below 8 the block kernel reads
+# fewer bytes and wins.
+ROWS_INT8_MIN_ROWS = 8
+
 # Activation precision inside the kernel: 16 = each 32-block rounded to 15 bits (two int8 digits,
 # twice the integer dot products; error ~3e-5 of the block max, below bf16's own rounding), 8 =
 # llama.cpp's int8 (error ~4e-3 of the block max).  CPUSERVE_PACKED_ACT_BITS overrides.
@@ -83,6 +89,12 @@ def native_available() -> bool:
 def available_isas() -> list[str]:
     mod = _native()
     return [ISA_NAMES[i] for i in mod.qlinear_isas()] if mod is not None else []
+
+
+def rows_int8_fast() -> bool:
+    """Whether this CPU has the row-int8 kernel's fast path (AVX-512 VNNI; elsewhere only the
+    scalar reference exists, and the block kernels serve large batches)."""
+    return "avx512-vnni" in available_isas()
 
 
 def isa_id(isa: Optional[str]) -> int:
@@ -181,6 +193,85 @@ class PackedWeight:
             f"PackedWeight({self.qtype}, shape={self.shape}, {self.nbytes / 2**20:.2f} MiB, "
             f"isa={self.isa or 'best'}, act_bits={self.act_bits})"
         )
+
+
+class RowInt8Weight:
+    """A weight [out_features, in_features] as int8 with one float scale per output row, for large
+    batches; ``self(x, bias)`` = F.linear with x rounded to int8 per 32-block.
+
+    Built from a :class:`PackedWeight` (:func:`rows_int8_from`), it trades the file's per-block
+    scales (exact w.r.t. the weights) for per-row ones, a second rounding of each weight to 1/254
+    of its row's largest magnitude, so that the kernel's inner loop is integer dot products and
+    one FMA per block: 1.3-1.5x the block kernel's speed from ~16 rows up on the development host
+    (``benchmarks/linear_kernels.py``), 1.6x the bytes of Q4_1.  The accuracy cost is measured with
+    the other paths (``benchmarks/quality.py``).  Kernels: AVX-512 VNNI and the scalar reference.
+    """
+
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], isa: Optional[str] = None) -> None:
+        n, k = shape
+        groups = -(-n // GROUP_ROWS)
+        if data.dtype != torch.uint8 or data.numel() != groups * k * GROUP_ROWS or k % BLOCK:
+            raise ValueError(f"row-int8 data of {data.numel()} bytes does not fit shape {shape}")
+        if scales.dtype != torch.float32 or scales.numel() != groups * GROUP_ROWS:
+            raise ValueError(f"row-int8 scales must be float32 [{groups * GROUP_ROWS}]")
+        self.data = data.contiguous()
+        self.scales = scales.contiguous()
+        self.shape = (int(n), int(k))
+        self.isa = isa
+        self.isa_id = isa_id(isa)
+        mod = _native()
+        self._op = getattr(mod, "qlinear_rows_forward", None) if mod is not None else None
+        if self._op is None:
+            raise RuntimeError("row-int8 weights need the native extension")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + 4 * self.scales.numel()
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dim() != 2:
+            lead = x.shape[:-1]
+            return self(x.reshape(-1, x.shape[-1]), bias).view(*lead, self.shape[0])
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            b = None if bias is None else bias.float()
+            return self._op(x.float(), self.data, self.scales, self.shape[0], self.shape[1], b, self.isa_id).to(x.dtype)
+        return self._op(x, self.data, self.scales, self.shape[0], self.shape[1], bias, self.isa_id)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out_features, in_features]: exactly the weights the kernel multiplies."""
+        n, k = self.shape
+        groups = -(-n // GROUP_ROWS)
+        q = self.data.reshape(groups, k // BLOCK, 8, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(groups * GROUP_ROWS, k)
+        return ((q.to(torch.int16) - 128).float() * self.scales[:, None])[:n]
+
+    def __repr__(self) -> str:
+        return f"RowInt8Weight(shape={self.shape}, {self.nbytes / 2**20:.2f} MiB, isa={self.isa or 'best'})"
+
+
+def quantize_rows_int8(w: torch.Tensor, isa: Optional[str] = None) -> RowInt8Weight:
+    """Dense [N, K] -> int8 per output row (scale = row max |w| / 127, round half to even)."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"row-int8 needs in_features divisible by {BLOCK}, got {k}")
+    groups = -(-n // GROUP_ROWS)
+    data = torch.empty(groups * GROUP_ROWS, k, dtype=torch.uint8)
+    scales = torch.zeros(groups * GROUP_ROWS, dtype=torch.float32)
+    data[n:] = 128
+    step = max(1, (1 << 22) // k)  # bounded float32 temporaries for big matrices (the LM head)
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        b = w[s:e].float()
+        d = b.abs().amax(dim=1) / 127
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        data[s:e] = (torch.round(b * inv[:, None]).clamp(-127, 127).to(torch.int16) + 128).to(torch.uint8)
+        scales[s:e] = d
+    packed = data.reshape(groups, GROUP_ROWS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1).contiguous()
+    return RowInt8Weight(packed, scales, (int(n), int(k)), isa)
+
+
+def rows_int8_from(packed: PackedWeight, isa: Optional[str] = None) -> RowInt8Weight:
+    """The row-int8 copy of a packed weight (its dequantized blocks, rounded per row)."""
+    return quantize_rows_int8(packed.dequantize(), isa)
 
 
 # ---------------------------------------------------------------- layout
@@ -321,11 +412,16 @@ def default_act_bits() -> int:
 
 
 def attach_packed(
-    linear: "Linear", packed: Optional[PackedWeight], max_rows: Optional[int] = None, large_act_bits: int = 0
+    linear: "Linear",
+    packed: Optional[PackedWeight],
+    max_rows: Optional[int] = None,
+    large_act_bits: int = 0,
+    rows_int8: bool = False,
 ) -> bool:
     """Route ``linear``'s batches of at most ``max_rows`` rows to ``packed`` (and, with
-    ``large_act_bits``, larger ones too, at that activation precision); False if not attached
-    (None, shape mismatch, or no native kernel: the dense path then serves every batch)."""
+    ``large_act_bits``, larger ones too, at that activation precision; with ``rows_int8`` as
+    well, those of :data:`ROWS_INT8_MIN_ROWS` rows or more to a row-scaled int8 copy); False if
+    not attached (None, shape mismatch, or no native kernel: the dense path then serves every batch)."""
     if packed is None:
         return False
     if packed.shape != (linear.out_features, linear.in_features):
@@ -337,6 +433,8 @@ def attach_packed(
         max_rows = default_max_rows(packed.qtype, packed.act_bits, large_act_bits)
     linear.packed_max_rows = max_rows
     linear.large_act_bits = large_act_bits
+    linear.rows_int8 = rows_int8_from(packed) if rows_int8 and large_act_bits else None
+    linear.rows_int8_min_rows = ROWS_INT8_MIN_ROWS
     return True
 
 
@@ -354,13 +452,15 @@ def attach_gguf_weights(
     max_rows: Optional[int] = None,
     quantize_dense: bool = False,
     large_act_bits: int = 0,
+    rows_int8: bool = False,
 ) -> dict[str, Any]:
     """Attach packed weights to every Linear of a Llama-family model (HF names, as the loader gives).
 
     Each projection takes its GGUF blocks when there is a kernel for their qtype; otherwise, with
     ``quantize_dense`` (opt-in, lossy), a Q8_0 copy of its dense weight; else it stays dense.  The
-    LM head uses ``lm_head.weight`` or, tied, ``model.embed_tokens.weight``.  Returns counts and
-    packed bytes for the load log.
+    LM head uses ``lm_head.weight`` or, tied, ``model.embed_tokens.weight``.  With ``rows_int8``
+    (and ``large_act_bits``) each also gets a row-scaled int8 copy for large batches.  Returns
+    counts and packed bytes (both copies) for the load log.
     """
     from engine.layers.linear import Linear
 
@@ -389,6 +489,6 @@ def attach_gguf_weights(
         else:
             stats["dense"] += 1
             continue
-        attach_packed(module, packed, max_rows, large_act_bits)
-        stats["bytes"] += packed.nbytes
+        attach_packed(module, packed, max_rows, large_act_bits, rows_int8)
+        stats["bytes"] += packed.nbytes + (module.rows_int8.nbytes if module.rows_int8 is not None else 0)
     return stats

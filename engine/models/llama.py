@@ -126,8 +126,11 @@ class LlamaDecoderLayer(nn.Module):
 
         def spec(lin: Linear) -> Any:
             p = lin.packed
+            r = lin.rows_int8
             return mod.PackedProjection(p.data, p.qtype_id, p.shape[0], p.shape[1], lin.bias, p.isa_id,
-                                        p.act_bits, lin.packed_max_rows, lin.large_act_bits)
+                                        p.act_bits, lin.packed_max_rows, lin.large_act_bits,
+                                        None if r is None else r.data, None if r is None else r.scales,
+                                        -1 if r is None else r.isa_id, lin.rows_int8_min_rows)
 
         self.packed = mod.PackedDecoderLayer(
             self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
