@@ -99,9 +99,9 @@ class EngineConfig:
     # Batches above the packed kernel's small-batch limit (prefill, big decode batches):
     # "int8" multiplies the packed blocks with 8-bit activations (faster than dense bf16 at
     # every size measured here, logit error comparable to bf16's own rounding); "int8_rows"
-    # does so up to 7 rows and, from 8, uses a copy of the weights as int8 with one scale per
-    # row (1.2-1.4x faster again, ~1 byte per weight more memory, where AVX-512 VNNI exists;
-    # elsewhere it acts as "int8"); "dense" uses the dense matmul; "auto": int8_rows for
+    # does so up to 19 rows (Q4 weights; Q8_0: 7) and from there uses a copy of the weights as
+    # int8 with one scale per row (1.1-1.45x faster again, ~1 byte per weight more memory,
+    # where AVX-512 VNNI exists; elsewhere it acts as "int8"); "dense" uses the dense matmul; "auto": int8_rows for
     # bfloat16 runs, dense for float32 ones.
     large_batch_matmul: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -130,7 +130,7 @@ class EngineConfig:
 
     @property
     def large_batch_rows_int8(self) -> bool:
-        """Large batches (from 8 rows) may use row-scaled int8 copies of the weights."""
+        """Large batches may use row-scaled int8 copies of the weights (quant.ROWS_INT8_MIN_ROWS)."""
         if self.large_batch_matmul == "auto":
             return self.dtype == "bfloat16"
         return self.large_batch_matmul == "int8_rows"

@@ -146,7 +146,7 @@ class LLMEngine:
             native_layers = self.runner.model.bind_packed_layers()
             large = "dense"
             if large_int8:
-                large = "packed, int8 activations" + (f"; row-int8 copies from {quant.ROWS_INT8_MIN_ROWS} rows" if rows_int8 else "")
+                large = "packed, int8 activations" + ("; row-int8 copies for larger ones" if rows_int8 else "")
             logger.info(
                 "packed weights: %d from the file, %d quantized to Q8_0, %d dense (%.0f MiB); large batches: %s; "
                 "%d layers on the native packed path",

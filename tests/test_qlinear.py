@@ -479,8 +479,8 @@ def test_rows_int8_paths_agree_and_take_views():
 
 def test_linear_routes_large_batches_to_rows_int8():
     """Small batches: the packed blocks at 16-bit activations; then the blocks with int8
-    activations; from ROWS_INT8_MIN_ROWS rows the row-int8 copy (each result bit-identical to
-    calling that path directly)."""
+    activations; from ROWS_INT8_MIN_ROWS rows (by the blocks' family) the row-int8 copy (each
+    result bit-identical to calling that path directly)."""
     n, k = 48, 128
     raw = random_blocks("Q4_1", n, k)
     lin = Linear(k, n, bias=True, dtype=torch.bfloat16)
@@ -488,13 +488,14 @@ def test_linear_routes_large_batches_to_rows_int8():
     lin.bias.data.normal_()
     pw = Q.PackedWeight(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16)
     assert Q.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
-    assert lin.rows_int8 is not None and lin.rows_int8_min_rows == Q.ROWS_INT8_MIN_ROWS
+    min_rows = Q.ROWS_INT8_MIN_ROWS["Q4"]
+    assert lin.rows_int8 is not None and lin.rows_int8_min_rows == min_rows
     torch.testing.assert_close(lin.rows_int8.dequantize(), Q.quantize_rows_int8(pw.dequantize()).dequantize())
-    for m in (Q.MAX_ROWS_BEFORE_INT8, Q.MAX_ROWS_BEFORE_INT8 + 1, Q.ROWS_INT8_MIN_ROWS - 1, Q.ROWS_INT8_MIN_ROWS, 300):
+    for m in (Q.MAX_ROWS_BEFORE_INT8, Q.MAX_ROWS_BEFORE_INT8 + 1, min_rows - 1, min_rows, 300):
         x = torch.randn(m, k, dtype=torch.bfloat16)
         if m <= Q.MAX_ROWS_BEFORE_INT8:
             want = pw(x, lin.bias)
-        elif m < Q.ROWS_INT8_MIN_ROWS:
+        elif m < min_rows:
             want = pw(x, lin.bias, 8)
         else:
             want = lin.rows_int8(x, lin.bias)

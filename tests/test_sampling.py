@@ -161,9 +161,9 @@ def _generate(engine: LLMEngine, prompts, params):
 
 def test_seeded_sampling_on_the_model_is_batch_independent(engine):
     """A seeded request draws from its own generator, whatever else shares its steps.  (The
-    matmul path depends on a step's row count -- up to 4 rows, 5-7, 8 or more -- so the logits'
-    low bits can differ between batch shapes; here the prompt, 11 tokens, is prefilled on the
-    same path alone and in the mix, and the decode steps have at most 4 rows either way.)"""
+    matmul path depends on a step's row count -- up to 4 rows, 5-19, 20 or more for Q4 weights --
+    so the logits' low bits can differ between batch shapes; here the prompt, 11 tokens, and the
+    mix, 19, are prefilled on the same path, and the decode steps have at most 4 rows either way.)"""
     prompt = "Tell me a story about a dragon and a knight."
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
     alone = _generate(engine, [prompt], params)["q0"]["tokens"]

@@ -65,10 +65,12 @@ DEFAULT_MAX_ROWS = MAX_ROWS[("Q4", 16)]
 MAX_ROWS_BEFORE_INT8 = 4
 
 # Batches of at least this many rows (above the small-batch limit) use the row-scaled int8 copy
-# when there is one: at 8 rows it matches the block kernel (1.0-1.2x), from 16 it is 1.2-1.4x
-# faster (benchmarks/linear_kernels.py, 2-core AVX-512 VNNI host); below 8 the block kernel reads
-# fewer bytes and wins.
-ROWS_INT8_MIN_ROWS = 8
+# when there is one, by the source blocks' family.  With the weights streamed from memory
+# (benchmarks/linear_kernels.py, 2-core AVX-512 VNNI host), against the block kernel with int8
+# activations: Q4 layers 0.6-0.8x at 8 rows (the copy reads 1.6x the bytes), 0.9-1.04x at 16,
+# 1.05-1.12x at 20, 1.1-1.2x at 32, 1.35-1.45x at 455; the Q8_0 LM head (the copy reads fewer
+# bytes) 1.25x from 8 rows, 1.5x at 32.
+ROWS_INT8_MIN_ROWS = {"Q4": 20, "Q8": 8}
 
 # Activation precision inside the kernel: 16 = each 32-block rounded to 15 bits (two int8 digits,
 # twice the integer dot products; error ~3e-5 of the block max, below bf16's own rounding), 8 =
@@ -434,7 +436,7 @@ def attach_packed(
     linear.packed_max_rows = max_rows
     linear.large_act_bits = large_act_bits
     linear.rows_int8 = rows_int8_from(packed) if rows_int8 and large_act_bits else None
-    linear.rows_int8_min_rows = ROWS_INT8_MIN_ROWS
+    linear.rows_int8_min_rows = ROWS_INT8_MIN_ROWS[packed.qtype[:2]]
     return True
 
 
