@@ -1,5 +1,6 @@
-"""Packed GGUF-block matmul vs dense bf16 ``F.linear`` at the default model's shapes, plus the
-accuracy cost of the packed kernel's int8 activation rounding on the real model.
+"""Packed GGUF-block matmul (and the row-int8 copies large batches use) vs dense bf16
+``F.linear`` at the default model's shapes, plus the accuracy cost of the packed kernel's int8
+activation rounding on the real model.
 
     python -m benchmarks.linear_kernels                 # kernel table + one decode token of linears
     python -m benchmarks.linear_kernels --accuracy      # + 64-step decode: packed vs dense float32
@@ -75,8 +76,9 @@ def kernel_table(ms: list[int], isa: str | None) -> dict[tuple[str, int], tuple[
     gen = torch.Generator().manual_seed(0)
     results = {}
     print(f"packed kernel path: {isa or Q.available_isas()[-1]}; torch threads: {torch.get_num_threads()}")
+    rows_isa = None if isa is None else isa if isa in ("scalar", "avx512-vnni") else "scalar"
     print(f"{'shape':8s} {'N x K':>12s} {'M':>3s} | {'dense bf16':>10s} {'GB/s':>6s} | {'packed a16':>10s} {'GB/s':>6s} | "
-          f"{'speedup':>7s} | {'packed a8':>9s} {'speedup':>7s}")
+          f"{'speedup':>7s} | {'packed a8':>9s} {'speedup':>7s} | {'row-int8':>9s} {'speedup':>7s} {'vs a8':>6s}")
     for name, n, k, qtype in SHAPES:
         dense_bytes = n * k * 2
         raw = _random_blocks(qtype, n, k, gen)
@@ -87,17 +89,22 @@ def kernel_table(ms: list[int], isa: str | None) -> dict[tuple[str, int], tuple[
         dense = [w0] + [w0.clone() for _ in range(n_dense - 1)]
         packed = [packed0] + [Q.PackedWeight(packed0.data.clone(), qtype, (n, k), isa, 16) for _ in range(n_packed - 1)]
         packed8 = [p.with_isa(isa, 8) for p in packed]
+        rows0 = Q.rows_int8_from(packed0, rows_isa)
+        rows = [rows0] + [Q.RowInt8Weight(rows0.data.clone(), rows0.scales, (n, k), rows_isa)
+                          for _ in range(max(1, WORKING_SET // rows0.nbytes) - 1)]
         for m in ms:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             td = best_time([lambda w=w: F.linear(x, w) for w in dense])
             tp = best_time([lambda p=p: p(x) for p in packed])
             t8 = best_time([lambda p=p: p(x) for p in packed8])
+            tr = best_time([lambda r=r: r(x) for r in rows])
             results[(name, m)] = (td, tp)
             print(
                 f"{name:8s} {f'{n}x{k}':>12s} {m:3d} | {td * 1e6:8.1f}us {dense_bytes / td / 1e9:6.1f} | "
                 f"{tp * 1e6:8.1f}us {packed0.nbytes / tp / 1e9:6.1f} | {td / tp:6.2f}x | {t8 * 1e6:7.1f}us {td / t8:6.2f}x"
+                f" | {tr * 1e6:7.1f}us {td / tr:6.2f}x {t8 / tr:5.2f}x"
             )
-        del dense, packed
+        del dense, packed, packed8, rows
     return results
 
 

@@ -1,9 +1,9 @@
 """Numerical quality of the fast paths against the float32 reference, on the real model.
 
 Every lower-precision path (bf16 activations, packed low-bit matmuls with 16- or 8-bit
-activations, fp8 KV cache) is run teacher-forced along the float32 reference's own greedy
-continuation, one decode step at a time (so the decode kernels are what is measured), and
-compared position by position: greedy agreement (same argmax) and the largest logit
+activations, the row-int8 copies large batches use, fp8 KV cache) is run teacher-forced along
+the float32 reference's own greedy continuation, one decode step at a time (so the decode
+kernels are what is measured), and compared position by position: greedy agreement (same argmax) and the largest logit
 difference.  Prints a table; ``--json-out`` saves it.
 
     python -m benchmarks.quality --prompts 8 --tokens 48
@@ -48,14 +48,31 @@ class Variant:
     weight_quant: str
     kv_cache_dtype: str = "auto"
     env: dict | None = None
+    every_batch_on_rows_int8: bool = False  # route even 1-row batches to the row-int8 copies
+
+
+def route_every_batch_to_rows_int8(engine: LLMEngine) -> None:
+    """Send every batch, decode steps included, to the row-int8 copies (by default only batches
+    of ROWS_INT8_MIN_ROWS rows or more use them), so that their accuracy is what gets measured."""
+    from engine.layers.linear import Linear
+
+    lins = [m for m in engine.runner.model.modules() if isinstance(m, Linear) and m.rows_int8 is not None]
+    if not lins:
+        raise SystemExit("no row-int8 copies on this host (they need AVX-512 VNNI)")
+    for lin in lins:
+        lin.packed_max_rows, lin.rows_int8_min_rows = 0, 1
+    engine.runner.model.bind_packed_layers()
 
 
 VARIANTS = [
     Variant("bf16, dense weights", "bfloat16", "none"),
-    # The default: 16-bit activations up to 4 rows (every decode step here), int8 above (the prompts).
-    Variant("bf16, packed Q4/Q8 blocks (default: a16 <= 4 rows, int8 above)", "bfloat16", "auto"),
-    # What every batch of more than 4 rows gets by default.
+    # The default: 16-bit activations up to 4 rows (every decode step here), int8 above, the
+    # row-int8 copies from 20 rows (the prompts).
+    Variant("bf16, packed Q4/Q8 blocks (default: a16 <= 4 rows, int8 above, row-int8 from 20)", "bfloat16", "auto"),
+    # What batches of 5-19 rows get by default (and every large batch with --large-batch-matmul int8).
     Variant("bf16, packed blocks, int8 activations everywhere", "bfloat16", "auto", env={"CPUSERVE_PACKED_ACT_BITS": "8"}),
+    # What batches of 20 rows or more get by default.
+    Variant("bf16, row-int8 copies everywhere", "bfloat16", "auto", every_batch_on_rows_int8=True),
     Variant("bf16, packed blocks, fp8 e4m3 KV cache", "bfloat16", "auto", "fp8_e4m3"),
     Variant("fp32, packed blocks, 16-bit activations", "float32", "auto"),
 ]
@@ -95,7 +112,10 @@ def make_engine(v: Variant, loaded) -> LLMEngine:  # noqa: ANN001
             model="default", dtype=v.dtype, weight_quant=v.weight_quant,
             cache=CacheConfig(num_blocks=64, kv_cache_dtype=v.kv_cache_dtype),
         )
-        return LLMEngine(cfg, loaded=loaded)
+        engine = LLMEngine(cfg, loaded=loaded)
+        if v.every_batch_on_rows_int8:
+            route_every_batch_to_rows_int8(engine)
+        return engine
     finally:
         for key in v.env or {}:
             os.environ.pop(key, None)
