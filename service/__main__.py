@@ -216,6 +216,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
+    if state.loading:
+        # Stopped (SIGTERM) while the model was still loading: the loader thread is inside torch,
+        # and finalizing the interpreter under it aborts the process ("terminate called without
+        # an active exception", exit 134).  Nothing else is left to clean up: leave at once.
+        logger.info("stopped while the model was loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if state.load_error is not None or not server.started:
         return 1
     if state.engine_died:

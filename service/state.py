@@ -53,6 +53,7 @@ class ServerState:
         self.created = int(time.time())
         self.generations: "weakref.WeakSet[Generation]" = weakref.WeakSet()  # in flight, for the drain
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._load_thread: Optional[threading.Thread] = None
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -70,7 +71,8 @@ class ServerState:
             else:
                 loop.call_soon_threadsafe(_settle, done, engine, None)
 
-        threading.Thread(target=load, name="engine-load", daemon=True).start()
+        self._load_thread = threading.Thread(target=load, name="engine-load", daemon=True)
+        self._load_thread.start()
         try:
             engine = await done
         except (ModelLoadError, ValueError) as exc:
@@ -97,6 +99,11 @@ class ServerState:
         self.engine, self.async_engine = engine, async_engine
         self.ready = True
         logger.info("ready: serving %s (context %d tokens)", engine.model_name, engine.max_model_len)
+
+    @property
+    def loading(self) -> bool:
+        """The model is still loading or warming up (on its daemon thread)."""
+        return self._load_thread is not None and self._load_thread.is_alive()
 
     def _fail(self, message: str) -> None:
         self.load_error = message

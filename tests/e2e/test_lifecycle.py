@@ -1,4 +1,5 @@
-"""A server of its own with a one-slot batch and a one-request queue: 429 when full, then SIGTERM's drain.
+"""A server of its own with a one-slot batch and a one-request queue: 429 when full, then SIGTERM's drain;
+and one stopped while its model still loads.
 
 The tests run in file order: the last one shuts the server down.
 """
@@ -99,3 +100,25 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(small: Server) -> None:
     log = small.log()
     assert "Traceback" not in log
     assert "draining" in log and "ending 1 unfinished request" in log
+
+
+def test_sigterm_while_the_model_loads_exits_0(tmp_path) -> None:  # noqa: ANN001
+    """A SIGTERM while the model is still loading (a pod stopped during start-up) is an orderly
+    stop: exit status 0, not an abort from finalizing the interpreter under the loader thread."""
+    srv = Server("early", ["--threads", "1", "--kv-cache-gb", "0.1"], tmp_path / "early.log")
+    try:
+        wait_for(lambda: _health(srv) == 503, 120, "the port to answer while the model loads", interval=0.02)
+        srv.signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) == 0, srv.log_tail()
+    finally:
+        srv.stop(grace=5)
+    log = srv.log()
+    assert "terminate called" not in log and "Traceback" not in log
+    assert "stopped while the model was loading" in log
+
+
+def _health(srv: Server) -> int:
+    try:
+        return httpx.get(srv.url + "/health", timeout=2).status_code
+    except httpx.TransportError:
+        return 0
