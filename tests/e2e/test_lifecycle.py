@@ -1,7 +1,7 @@
 """A server of its own with a one-slot batch and a one-request queue: 429 when full, then SIGTERM's drain;
 and one stopped while its model still loads.
 
-The tests run in file order: the last one shuts the server down.
+The tests run in file order: the drain test shuts the small server down.
 """
 
 from __future__ import annotations
