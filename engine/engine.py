@@ -152,6 +152,9 @@ class LLMEngine:
                 "%d layers on the native packed path",
                 stats["packed"], stats["quantized"], stats["dense"], stats["bytes"] / 2**20, large, native_layers,
             )
+            freed = quant.release_dense_weights(self.runner.model)
+            if freed:
+                logger.info("freed %.0f MiB of dense weights that the packed ones fully serve", freed / 2**20)
 
     # --- requests -----------------------------------------------------------------------
 

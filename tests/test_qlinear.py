@@ -508,18 +508,23 @@ def test_linear_routes_large_batches_to_rows_int8():
 
 def test_engine_builds_row_int8_copies_by_default(smollm2_reader):
     """A bfloat16 engine on the default model keeps a row-int8 copy of every packed projection
-    (where the fast kernel exists); "int8" and float32 runs keep none."""
+    (where the fast kernel exists); "int8" and float32 runs keep none.  Where the packed copies
+    serve every batch size the dense weights are freed, except the LM head's (the tied
+    embedding); float32 runs send large batches to the dense matmul and keep them all."""
     from engine.config import CacheConfig, EngineConfig
     from engine.engine import LLMEngine
     from engine.layers.linear import Linear as L
 
-    def copies(cfg: EngineConfig) -> tuple[int, int]:
+    def copies(cfg: EngineConfig) -> tuple[int, int, int]:
         eng = LLMEngine(cfg)
-        lins = [mod for mod in eng.runner.model.modules() if isinstance(mod, L) and mod.packed is not None]
-        return len(lins), sum(mod.rows_int8 is not None for mod in lins)
+        model = eng.runner.model
+        lins = [mod for mod in model.modules() if isinstance(mod, L) and mod.packed is not None]
+        assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight.numel() > 0
+        dense = sum(mod.weight.numel() > 0 for mod in lins)
+        return len(lins), sum(mod.rows_int8 is not None for mod in lins), dense
 
-    packed, rows = copies(EngineConfig(model="default", cache=CacheConfig(num_blocks=16)))
-    assert packed == 4 * 30 + 1
+    packed, rows, dense = copies(EngineConfig(model="default", cache=CacheConfig(num_blocks=16)))
+    assert packed == 4 * 30 + 1 and dense == 1
     assert rows == (packed if Q.rows_int8_fast() else 0)
-    assert copies(EngineConfig(model="default", large_batch_matmul="int8", cache=CacheConfig(num_blocks=16)))[1] == 0
-    assert copies(EngineConfig(model="default", dtype="float32", cache=CacheConfig(num_blocks=16)))[1] == 0
+    assert copies(EngineConfig(model="default", large_batch_matmul="int8", cache=CacheConfig(num_blocks=16)))[1:] == (0, 1)
+    assert copies(EngineConfig(model="default", dtype="float32", cache=CacheConfig(num_blocks=16)))[1:] == (0, packed)

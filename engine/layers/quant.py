@@ -440,6 +440,22 @@ def attach_packed(
     return True
 
 
+def release_dense_weights(model: nn.Module) -> int:
+    """Free the dense weight of every Linear whose packed copies serve every batch size (packed
+    with ``large_act_bits``: small batches on the blocks, large ones on the blocks or the row-int8
+    copy), unless another module shares it (a tied embedding).  Returns the bytes freed: for the
+    default model in bf16 ~210 MB of resident memory nothing would read again."""
+    from engine.layers.linear import Linear
+
+    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    freed = 0
+    for lin in model.modules():
+        if isinstance(lin, Linear) and lin.packed is not None and lin.large_act_bits and id(lin.weight) not in shared:
+            freed += lin.weight.numel() * lin.weight.element_size()
+            lin.weight = nn.Parameter(lin.weight.new_empty(0, lin.in_features), requires_grad=False)
+    return freed
+
+
 _MERGED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
