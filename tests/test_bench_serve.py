@@ -233,6 +233,21 @@ def test_itl_spread_from_retokenizing(tiny_tok):
     assert bs.compute_itl(out, tiny_tok) == pytest.approx([0.1, 0.2])
 
 
+def test_compare_workloads_share_no_prompts(tiny_tok):
+    """Each workload of a run has prompts of its own (with shared ones, a later workload ran out of
+    an earlier one's prefix cache); the same seed still gives the same prompts."""
+    from benchmarks import compare
+
+    workloads = compare.parse_workloads("c1,128:128:8,c16,c32,long")
+    prompts = compare.workload_prompts(tiny_tok, workloads, 0, seed=0)
+    seen: set[str] = set()
+    for w in workloads:
+        assert len(prompts[w.name]) == max(8, 4 * w.concurrency)
+        assert not seen & set(prompts[w.name]), w.name
+        seen |= set(prompts[w.name])
+    assert compare.workload_prompts(tiny_tok, workloads, 0, seed=0) == prompts
+
+
 def test_compare_end_to_end_with_fake_server(tiny_tok, tmp_path):
     """compare.py: start a server (the fake one, via --ours-cmd), health, RSS, bench, stop, table, JSON."""
     import signal
