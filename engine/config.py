@@ -101,8 +101,8 @@ class EngineConfig:
     # every size measured here, logit error comparable to bf16's own rounding); "int8_rows"
     # does so up to 19 rows (Q4 weights; Q8_0: 7) and from there uses a copy of the weights as
     # int8 with one scale per row (1.1-1.45x faster again, ~1 byte per weight more memory,
-    # where AVX-512 VNNI exists; elsewhere it acts as "int8"); "dense" uses the dense matmul; "auto": int8_rows for
-    # bfloat16 runs, dense for float32 ones.
+    # where AVX-512 VNNI exists; elsewhere it acts as "int8"); "dense" uses the dense matmul;
+    # "auto": int8_rows for bfloat16 runs, dense for float32 ones.
     large_batch_matmul: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -131,6 +131,4 @@ class EngineConfig:
     @property
     def large_batch_rows_int8(self) -> bool:
         """Large batches may use row-scaled int8 copies of the weights (quant.ROWS_INT8_MIN_ROWS)."""
-        if self.large_batch_matmul == "auto":
-            return self.dtype == "bfloat16"
-        return self.large_batch_matmul == "int8_rows"
+        return self.large_batch_int8 and self.large_batch_matmul in ("auto", "int8_rows")

@@ -131,7 +131,7 @@ class LLMEngine:
         from engine.layers import quant
 
         large_int8 = self.config.large_batch_int8
-        rows_int8 = large_int8 and self.config.large_batch_rows_int8
+        rows_int8 = self.config.large_batch_rows_int8
         if rows_int8 and not quant.rows_int8_fast():
             logger.info("no AVX-512 VNNI here: large batches use the packed blocks, not row-int8 copies")
             rows_int8 = False

@@ -602,12 +602,13 @@ int64_t qlinear_best_isa() { return best_isa(); }
 namespace {
 
 // Shared by both entry points: quantize x's rows (digits int8 planes per 32-block, into the
-// calling thread's scratch), then run `group` over the weight's 16-row groups, split across
-// threads in contiguous ranges.  `weight_bytes` sizes the thread count.
+// calling thread's scratch; with row-scaled weights, p.wscale set, also each row's xcorr), then
+// run `range` over the weight's 16-row groups, split across threads in contiguous ranges.
+// `weight_bytes` sizes the thread count.
 template <typename RangeFn>
 torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
-                         int isa, int digits, int64_t weight_bytes, Problem& p, bool row_corrections,
-                         const RangeFn& range) {
+                         int isa, int digits, int64_t weight_bytes, Problem& p, const RangeFn& range) {
+  const bool row_corrections = p.wscale != nullptr;
   TORCH_CHECK(k % kBlock == 0, "qlinear: in_features must be a multiple of 32");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "qlinear: x must be [M, ", k, "]");
   TORCH_CHECK(x.device().is_cpu(), "qlinear: CPU tensors only");
@@ -718,7 +719,7 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
   p.w = packed.data_ptr<uint8_t>();
   p.qtype = static_cast<int>(qtype);
   p.gbytes = gbytes;
-  return run_groups(x, n, k, bias, path, act_bits == 16 ? 2 : 1, packed.numel(), p, false,
+  return run_groups(x, n, k, bias, path, act_bits == 16 ? 2 : 1, packed.numel(), p,
                     [&](int64_t g0, int64_t g1) {
                       for (int64_t g = g0; g < g1; ++g) {
                         switch (path) {
@@ -746,7 +747,7 @@ torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& 
   p.qtype = 0;
   p.gbytes = kRowsBlockBytes;
   p.wscale = scales.data_ptr<float>();
-  return run_groups(x, n, k, bias, path, 1, packed.numel(), p, true, [&](int64_t g0, int64_t g1) {
+  return run_groups(x, n, k, bias, path, 1, packed.numel(), p, [&](int64_t g0, int64_t g1) {
     if (path == kAvx512Vnni) {
       rows_range_avx512(p, g0, g1);
     } else {

@@ -243,7 +243,7 @@ class RowInt8Weight:
         """float32 [out_features, in_features]: exactly the weights the kernel multiplies."""
         n, k = self.shape
         groups = -(-n // GROUP_ROWS)
-        q = self.data.reshape(groups, k // BLOCK, 8, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(groups * GROUP_ROWS, k)
+        q = _deinterleave_rows(self.data.reshape(groups, k // BLOCK, BLOCK * GROUP_ROWS)).reshape(groups * GROUP_ROWS, k)
         return ((q.to(torch.int16) - 128).float() * self.scales[:, None])[:n]
 
     def __repr__(self) -> str:
@@ -267,7 +267,7 @@ def quantize_rows_int8(w: torch.Tensor, isa: Optional[str] = None) -> RowInt8Wei
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
         data[s:e] = (torch.round(b * inv[:, None]).clamp(-127, 127).to(torch.int16) + 128).to(torch.uint8)
         scales[s:e] = d
-    packed = data.reshape(groups, GROUP_ROWS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1).contiguous()
+    packed = _interleave_rows(data.reshape(groups, GROUP_ROWS, k // BLOCK, BLOCK)).reshape(-1).contiguous()
     return RowInt8Weight(packed, scales, (int(n), int(k)), isa)
 
 
@@ -282,6 +282,20 @@ def rows_int8_from(packed: PackedWeight, isa: Optional[str] = None) -> RowInt8We
 def _fields(qtype: str) -> tuple[int, int]:
     """(bytes of fp16 scale fields, quant bytes) of one GGUF block."""
     return {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32)}[qtype]
+
+
+def _interleave_rows(qs: torch.Tensor) -> torch.Tensor:
+    """Quants uint8 [groups, 16, nb, qb] -> [groups, nb, qb * 16]: per group-block, chunk c holds
+    bytes [4c, 4c + 4) of each of the 16 rows in turn (the kernels' 4-byte-word interleave)."""
+    groups, _, nb, qb = qs.shape
+    return qs.reshape(groups, GROUP_ROWS, nb, qb // 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, qb * GROUP_ROWS)
+
+
+def _deinterleave_rows(qs: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_interleave_rows`: [groups, nb, qb * 16] -> [groups, 16, nb, qb]."""
+    groups, nb, width = qs.shape
+    qb = width // GROUP_ROWS
+    return qs.reshape(groups, nb, qb // 4, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(groups, GROUP_ROWS, nb, qb)
 
 
 def pack_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
@@ -299,9 +313,7 @@ def pack_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.
     qs = r[..., sb:]
     if qtype == "Q8_0":
         qs = qs ^ 0x80  # signed quants as unsigned q + 128 (the kernel subtracts 128 * sum(x_q))
-    chunks = qb // 4
-    qs = qs.reshape(groups, GROUP_ROWS, nb, chunks, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, qb * GROUP_ROWS)
-    parts = [qs]
+    parts = [_interleave_rows(qs)]
     for off in range(0, sb, 2):  # d, then m: 16 fp16 values per field
         parts.append(r[..., off : off + 2].permute(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP_ROWS))
     return torch.cat(parts, dim=-1).reshape(-1).contiguous()
@@ -313,10 +325,8 @@ def unpack_blocks(data: torch.Tensor, qtype: str, shape: tuple[int, int]) -> tor
     nb = k // BLOCK
     groups = -(-n // GROUP_ROWS)
     sb, qb = _fields(qtype)
-    chunks = qb // 4
     g = data.reshape(groups, nb, GROUP_BLOCK_BYTES[qtype])
-    qs = g[..., : qb * GROUP_ROWS].reshape(groups, nb, chunks, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4)
-    qs = qs.reshape(groups, GROUP_ROWS, nb, qb)
+    qs = _deinterleave_rows(g[..., : qb * GROUP_ROWS])
     if qtype == "Q8_0":
         qs = qs ^ 0x80
     parts = []
