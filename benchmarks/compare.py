@@ -496,9 +496,9 @@ def run_engine(engine: str, a: argparse.Namespace, workloads: list[Workload], pr
         sampler = RssSampler(srv.tree)
         sampler.start()
         for i, w in enumerate(workloads):
-            n = a.num_prompts or max(8, 4 * w.concurrency)
-            cfg = bs.BenchConfig(base_url=srv.base_url, model=SERVED_NAME, num_prompts=n, input_len=w.input_len,
-                                 output_len=w.output_len, max_concurrency=w.concurrency, seed=workload_seed(a.seed, i),
+            cfg = bs.BenchConfig(base_url=srv.base_url, model=SERVED_NAME, num_prompts=len(prompts[w.name]),
+                                 input_len=w.input_len, output_len=w.output_len, max_concurrency=w.concurrency,
+                                 seed=workload_seed(a.seed, i),
                                  warmup=a.warmup if a.warmup >= 0 else min(w.concurrency, 4),
                                  timeout=a.timeout, label=f"{engine} {w.title}")
             if not srv.alive():

@@ -3,8 +3,8 @@
 Every lower-precision path (bf16 activations, packed low-bit matmuls with 16- or 8-bit
 activations, the row-int8 copies large batches use, fp8 KV cache) is run teacher-forced along
 the float32 reference's own greedy continuation, one decode step at a time (so the decode
-kernels are what is measured), and compared position by position: greedy agreement (same argmax) and the largest logit
-difference.  Prints a table; ``--json-out`` saves it.
+kernels are what is measured), and compared position by position: greedy agreement (same
+argmax) and the largest logit difference.  Prints a table; ``--json-out`` saves it.
 
     python -m benchmarks.quality --prompts 8 --tokens 48
 """
