@@ -1,10 +1,12 @@
 """Continuous-batching scheduler: which requests run this step, and with how many tokens.
 
 Every request carries ``num_computed_tokens`` (tokens whose K/V are in the cache);
-each step it is given up to ``num_tokens - num_computed_tokens`` new tokens under
-the step's token budget, so prompts, prompt chunks and decodes are all the same
-thing.  Running requests go first; waiting ones are admitted (priority, then
-arrival order) while the budget, ``max_num_seqs`` and KV blocks allow.  When a
+each step it is given up to ``num_tokens - num_computed_tokens`` new tokens, so
+prompts, prompt chunks and decodes are all the same thing.  The step's token budget
+bounds prompt tokens only: every running decode gets its token on top (at most
+``max_num_seqs`` of them), so decodes never shift where prompt chunks end.  Running
+requests go first; waiting ones are admitted (priority, then arrival order) while
+the budget, ``max_num_seqs`` and KV blocks allow.  When a
 running request cannot get a block, the lowest-priority running request is
 preempted: its blocks are freed and it is recomputed later (prefix caching
 usually makes that cheap).  Nothing is ever dropped.
@@ -101,16 +103,21 @@ class Scheduler:
         preempted: list[Request] = []
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            decode = _is_decode(req)
+            if not decode and budget <= 0:
+                i += 1
+                continue
+            num_new = 1 if decode else min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = max(self.running, key=Request.sort_key)
                 if self.running.index(victim) < i:  # already given tokens this step: take them back
                     i -= 1
                     entry = next(s for s in scheduled if s.request is victim)
                     scheduled.remove(entry)
-                    budget += entry.num_new_tokens
+                    if not _is_decode(victim):
+                        budget += entry.num_new_tokens
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -118,7 +125,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted; self.running shrank, i now points at the next one
             scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
-            budget -= num_new
+            if not decode:
+                budget -= num_new
             i += 1
 
         if not preempted:
@@ -202,3 +210,9 @@ class Scheduler:
         if req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _is_decode(req: Request) -> bool:
+    """One token to compute after the whole prompt: a decode, outside the prompt-token budget
+    (a preempted request recomputing its generated tokens is still a prompt here)."""
+    return req.prefill_done and req.num_tokens - req.num_computed_tokens == 1

@@ -109,3 +109,31 @@ def test_stop_conditions():
     s2.add(sid)
     run_step(s2, token=7)
     assert sid.status == RequestStatus.FINISHED_STOPPED and sid.stop_reason == 7
+
+
+def test_decodes_ride_on_top_of_the_prompt_token_budget():
+    """A running decode does not take prompt tokens: with a budget of 8 and two streams decoding,
+    a 16-token prompt still goes in two chunks of 8, so its first token comes after 2 steps, not 3."""
+    s = make(max_num_batched_tokens=8)
+    a, b = req("a", 4, 0, max_tokens=20), req("b", 4, 1, max_tokens=20)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prompts (8 tokens) in one step
+    c = req("c", 16, 2)
+    s.add(c)
+    out = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 8)]
+    assert out.num_decode_tokens == 2 and out.num_prefill_tokens == 8 and out.total_num_tokens == 10
+    run_step(s)
+    assert c.num_output_tokens == 1 and c.num_computed_tokens == 16
+
+
+def test_prompt_budget_still_caps_chunks_of_running_prompts():
+    s = make(max_num_batched_tokens=6)
+    a, b = req("a", 10, 0), req("b", 10, 1)
+    s.add(a)
+    s.add(b)
+    out = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 6)]
+    out = run_step(s)  # a's last 4 prompt tokens, then b's first 2
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 4), ("b", 2)]
