@@ -90,7 +90,8 @@ def test_batch_invariance_under_chunked_prefill(loaded, alone):
     engine = make_engine(loaded, max_batched=3)  # every prompt split into 3-token chunks
     tokens, _, steps = run(engine, PROMPTS[:4])
     assert tokens["0"] == alone
-    assert max(s.num_tokens for s in steps) <= 3
+    assert max(s.num_prefill_tokens for s in steps) <= 3
+    assert max(s.num_tokens for s in steps) <= 3 + 4  # running decodes ride on top of the prompt budget
 
 
 def test_batch_invariance_after_preemption(loaded, alone):
