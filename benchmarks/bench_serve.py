@@ -19,8 +19,11 @@ Library use (see ``benchmarks/compare.py``)::
     result = run_benchmark_sync(BenchConfig(base_url=..., max_concurrency=4), tokenizer=load_tokenizer())
 
 The client is kept light because on this machine it shares two cores with the server: one asyncio loop,
-one ``httpx.AsyncClient``, a hand-rolled SSE line splitter and one ``json.loads`` per chunk; everything
-else (token counting, percentiles) happens after the run.
+one ``aiohttp.ClientSession`` (its HTTP parser is C), a hand-rolled SSE line splitter and one
+``json.loads`` per chunk; everything else (token counting, percentiles) happens after the run.  Its CPU
+time is taken from whichever server it measures: 128 requests of 128 streamed tokens at concurrency 32
+cost ~1.5 s of CPU with httpx and ~0.5 s with aiohttp, and the server under test did 6-11% more
+tokens/s with the lighter client (alternating runs against the same server).
 """
 
 from __future__ import annotations
@@ -229,14 +232,14 @@ async def send_request(client: Any, url: str, payload: dict, headers: dict, prom
     st = out.start = perf()
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", url, json=payload, headers=headers) as resp:
-                if resp.status_code != 200:
-                    body = (await resp.aread()).decode("utf-8", "replace")
-                    out.error = f"HTTP {resp.status_code}: {body[:500]}"
+            async with client.post(url, json=payload, headers=headers) as resp:
+                if resp.status != 200:
+                    body = (await resp.read()).decode("utf-8", "replace")
+                    out.error = f"HTTP {resp.status}: {body[:500]}"
                     out.latency = perf() - st
                     return out
                 buf = b""
-                async for raw in resp.aiter_bytes():
+                async for raw in resp.content.iter_any():
                     now = perf()
                     buf += raw
                     if b"\n" not in raw:
@@ -362,9 +365,9 @@ class BenchConfig:
 
 
 async def fetch_model_id(client: Any, base_url: str, headers: dict) -> str:
-    r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
-    r.raise_for_status()
-    data = r.json().get("data") or []
+    async with client.get(base_url.rstrip("/") + "/v1/models", headers=headers) as r:
+        r.raise_for_status()
+        data = (await r.json()).get("data") or []
     if not data:
         raise RuntimeError("GET /v1/models returned no models")
     return data[0]["id"]
@@ -461,7 +464,7 @@ def compute_metrics(outputs: list[RequestOutput], duration: float, cfg: BenchCon
 async def run_benchmark(cfg: BenchConfig, tokenizer: Optional[Tokenizer] = None,
                         prompts: Optional[list[str]] = None, quiet: bool = False) -> dict:
     """Run one benchmark and return its metrics dict (see ``compute_metrics``)."""
-    import httpx
+    import aiohttp
 
     if prompts is None:
         if tokenizer is None:
@@ -474,10 +477,11 @@ async def run_benchmark(cfg: BenchConfig, tokenizer: Optional[Tokenizer] = None,
                         if tokenizer is not None else prompts[: cfg.warmup])
 
     conc = cfg.max_concurrency or len(prompts) or 1
-    limits = httpx.Limits(max_connections=conc + 4, max_keepalive_connections=conc + 4)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     url = cfg.base_url.rstrip("/") + cfg.endpoint
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.timeout, connect=30.0)) as client:
+    connector = aiohttp.TCPConnector(limit=conc + 4)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=cfg.timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         if not cfg.model:
             cfg.model = await fetch_model_id(client, cfg.base_url, headers)
         sem = asyncio.Semaphore(conc)
