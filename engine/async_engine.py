@@ -65,6 +65,11 @@ class _Stream:
     unfinished_choices: int  # counted down on the engine thread as choices finish
 
 
+def _deliver(batch: list[tuple[asyncio.Queue, CompletionDelta]]) -> None:
+    for q, d in batch:
+        q.put_nowait(d)
+
+
 StepCallback = Callable[[StepStats], None]
 FinishCallback = Callable[[RequestStats], None]
 DeadCallback = Callable[[BaseException], None]
@@ -237,8 +242,12 @@ class AsyncEngine:
                 self._dispatch(deltas)
 
     def _dispatch(self, deltas: list[CompletionDelta]) -> None:
-        for d in deltas:
-            with self._lock:
+        """Hand a step's deltas to their streams: one wake-up of each event loop per step, not one
+        per delta (c=32: 32 cross-thread calls and lock round trips a step on the engine's thread;
+        the event loop's CPU per 128 x 128-token run went 0.78-0.82 -> 0.75-0.78 s)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, CompletionDelta]]] = {}
+        with self._lock:
+            for d in deltas:
                 stream = self._streams.get(d.parent_id)
                 if stream is None:
                     continue
@@ -246,7 +255,9 @@ class AsyncEngine:
                     stream.unfinished_choices -= 1
                     if stream.unfinished_choices <= 0:
                         del self._streams[d.parent_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, d)
+                batches.setdefault(stream.loop, []).append((stream.queue, d))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     def _dispatch_error(self, request_id: str, exc: BaseException) -> None:
         with self._lock:

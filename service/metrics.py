@@ -101,6 +101,9 @@ class Metrics:
         self.model_name = m = model_name
         self._phases = {field: h.labels(m) for field, h in self._phase_hists.items()}
         self._step_tokens_m = self._step_tokens.labels(m)
+        # The per-token series, looked up once: they are updated for every streamed token.
+        self._gen_tokens_m = self._gen_tokens.labels(m)
+        self._itl_m = self._itl.labels(m)
         for h in (self._ttft, self._itl, self._tpot, self._e2e, self._queue, self._prompt_len, self._gen_len):
             h.labels(m)
         for c in (self._prompt_tokens, self._gen_tokens, self._preemptions, self._pc_queries, self._pc_hits):
@@ -147,11 +150,11 @@ class Metrics:
 
     def generated(self, num_tokens: int) -> None:
         if self.model_name is not None and num_tokens:
-            self._gen_tokens.labels(self.model_name).inc(num_tokens)
+            self._gen_tokens_m.inc(num_tokens)
 
     def inter_token_latency(self, seconds: float) -> None:
         if self.model_name is not None:
-            self._itl.labels(self.model_name).observe(seconds)
+            self._itl_m.observe(seconds)
 
     def ended_early(self, finish_reason: str, num_sequences: int) -> None:
         """Sequences the service ended (client gone: abort; engine died: error); the engine reports no stats for them."""
