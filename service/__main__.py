@@ -90,7 +90,7 @@ def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentPa
     )
     add("--served-model-name", "the model name clients send and responses carry (default: from the model file)")
     add("--max-num-seqs", "most sequences in one batch (continuous batching)", type=int, default=64)
-    add("--max-num-batched-tokens", "most prompt tokens (prefill chunks) in one engine step; each running decode adds one more", type=int, default=512)
+    add("--max-num-batched-tokens", "most prompt tokens (prefill chunks) in one engine step; each running decode adds one more", type=int, default=SchedulerConfig.max_num_batched_tokens)
     add(
         "--max-model-len",
         "context length (default: the model's); a prompt plus max_tokens beyond it is refused with 400, not clipped",
