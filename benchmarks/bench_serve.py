@@ -479,7 +479,9 @@ async def run_benchmark(cfg: BenchConfig, tokenizer: Optional[Tokenizer] = None,
     conc = cfg.max_concurrency or len(prompts) or 1
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     url = cfg.base_url.rstrip("/") + cfg.endpoint
-    connector = aiohttp.TCPConnector(limit=conc + 4)
+    # A fresh connection per request: llama-server closes kept-alive connections after a few
+    # requests, and aiohttp (unlike httpx) does not retry a POST on a connection the server closed.
+    connector = aiohttp.TCPConnector(limit=conc + 4, force_close=True)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=cfg.timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         if not cfg.model:
