@@ -291,10 +291,12 @@ QL_AVX512 void quantize_row_avx512(const QuantRow& r) {
       sum.pair(i, t[0], t[1]);
     }
     const __m512 sums = sum.finish();
-    if (r.d_stride == 1)
+    if (r.d_stride == 1) {
       _mm512_storeu_ps(r.d + b, d);
-    else
-      _mm512_i32scatter_ps(r.d + b * r.d_stride, _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(r.d_stride)), d, 4);
+    } else {
+      const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      _mm512_i32scatter_ps(r.d + b * r.d_stride, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(r.d_stride)), d, 4);
+    }
     _mm512_storeu_si512(r.sum + b, _mm512_cvtps_epi32(sums));
     _mm512_storeu_ps(r.s + b, _mm512_mul_ps(d, sums));
   }
