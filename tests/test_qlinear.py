@@ -216,9 +216,9 @@ def test_linear_routes_small_batches_to_packed():
     calls = []
 
     class Spy(Q.PackedWeight):
-        def __call__(self, x, bias=None, act_bits=0):
+        def __call__(self, x, bias=None, act_bits=0, float32_out=False):
             calls.append((x.shape[0], act_bits))
-            return super().__call__(x, bias, act_bits)
+            return super().__call__(x, bias, act_bits, float32_out)
 
     spy = Spy(Q.pack_blocks(raw, "Q4_0", (n, k)), "Q4_0", (n, k))
     assert Q.attach_packed(lin, spy, max_rows=8)
@@ -240,9 +240,9 @@ def test_large_batches_take_int8_activations_when_allowed():
     calls = []
 
     class Spy(Q.PackedWeight):
-        def __call__(self, x, bias=None, act_bits=0):
+        def __call__(self, x, bias=None, act_bits=0, float32_out=False):
             calls.append((x.shape[0], act_bits))
-            return super().__call__(x, bias, act_bits)
+            return super().__call__(x, bias, act_bits, float32_out)
 
     assert Q.attach_packed(lin, Spy(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16), large_act_bits=8)
     assert lin.packed_max_rows == Q.MAX_ROWS_BEFORE_INT8
@@ -504,6 +504,30 @@ def test_linear_routes_large_batches_to_rows_int8():
     plain = Linear(k, n, bias=False, dtype=torch.bfloat16)
     assert Q.attach_packed(plain, pw, rows_int8=True)
     assert plain.rows_int8 is None
+
+
+@pytest.mark.parametrize("m", [1, 3, 25])  # the packed kernel at 16-bit, at 8-bit activations; row-int8
+def test_float32_out_is_the_unrounded_result(isa, m):
+    """Logits ask Linear for float32: every path returns float32 whose bf16 rounding is exactly the
+    bf16 result (the kernels round the same float32 sums), and float32 inputs are unaffected."""
+    n, k = 48, 128
+    raw = random_blocks("Q4_1", n, k, seed=m)
+    lin = Linear(k, n, bias=True, dtype=torch.bfloat16)
+    lin.weight.data.copy_(gguf_dequantize(raw, "Q4_1", (n, k)))
+    lin.bias.data.normal_()
+    pw = Q.PackedWeight(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), isa, act_bits=16)
+    rows_isa = "avx512-vnni" if isa == "avx512-vnni" else "scalar"
+    assert Q.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
+    lin.rows_int8 = Q.quantize_rows_int8(pw.dequantize(), rows_isa)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    y16, y32 = lin(x), lin(x, float32_out=True)
+    assert y16.dtype == torch.bfloat16 and y32.dtype == torch.float32
+    torch.testing.assert_close(y32.to(torch.bfloat16), y16, atol=0, rtol=0)
+    assert bool((y32 != y16.float()).any())  # the low bits bf16 drops are there
+    torch.testing.assert_close(lin(x.float(), float32_out=True), lin(x.float()), atol=0, rtol=0)
+    dense = Linear(k, n, bias=False, dtype=torch.bfloat16)  # no packed copy: F.linear, then float32
+    dense.weight.data.copy_(lin.weight.data)
+    assert dense(x, float32_out=True).dtype == torch.float32
 
 
 def test_engine_builds_row_int8_copies_by_default(smollm2_reader):

@@ -11,10 +11,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- qlinear.cpp ----
   m.def("qlinear_forward", &qlinear_forward, "packed GGUF-block matmul", nogil, py::arg("x"), py::arg("packed"),
         py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(), py::arg("isa") = -1,
-        py::arg("act_bits") = 16);
+        py::arg("act_bits") = 16, py::arg("out_float32") = false);
   m.def("qlinear_rows_forward", &qlinear_rows_forward, "row-scaled int8 matmul (large batches)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
-        py::arg("isa") = -1);
+        py::arg("isa") = -1, py::arg("out_float32") = false);
   m.def("qlinear_isas", &qlinear_isas, "qlinear instruction-set paths usable on this CPU");
   m.def("qlinear_best_isa", &qlinear_best_isa, "the qlinear path used by default");
   // ---- end qlinear.cpp ----

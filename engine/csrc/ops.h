@@ -7,14 +7,17 @@ bool cpu_has_amx();  // also asks the kernel for AMX tile state permission
 
 // ---- qlinear.cpp (packed GGUF-block matmul; layout in qlinear.h) ----
 // y = x @ W^T (+ bias): x [M, K] float32/bfloat16 (unit column stride), packed uint8, qtype a GGML id
-// (2 Q4_0, 3 Q4_1, 8 Q8_0); y [M, N] in x's dtype.  isa: -1 best, else a value of qlinear_isas().
+// (2 Q4_0, 3 Q4_1, 8 Q8_0); y [M, N] in x's dtype, or float32 when out_float32 (logits: no bf16
+// rounding and no conversion pass after).  isa: -1 best, else a value of qlinear_isas().
 // act_bits: 8 (activations rounded to int8 per 32-block, llama.cpp-style) or 16 (15-bit, ~exact).
 torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n,
-                              int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits);
+                              int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits,
+                              bool out_float32 = false);
 // Row-scaled int8 weights (layout in qlinear.h; scales float32 [groups * 16]), int8 activations;
 // isa: -1 best, 0 scalar, 3 avx512-vnni (the only two paths).
 torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
-                                   int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa);
+                                   int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
+                                   bool out_float32 = false);
 std::vector<int64_t> qlinear_isas();  // usable paths: 0 scalar, 1 avx2, 2 avx-vnni, 3 avx512-vnni
 int64_t qlinear_best_isa();
 // ---- end qlinear.cpp ----

@@ -673,7 +673,7 @@ namespace {
 // `weight_bytes` sizes the thread count.
 template <typename RangeFn>
 torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
-                         int isa, int digits, int64_t weight_bytes, Problem& p, const RangeFn& range) {
+                         int isa, int digits, int64_t weight_bytes, bool out_float32, Problem& p, const RangeFn& range) {
   const bool row_corrections = p.wscale != nullptr;
   TORCH_CHECK(k % kBlock == 0, "qlinear: in_features must be a multiple of 32");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "qlinear: x must be [M, ", k, "]");
@@ -684,7 +684,7 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
   const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t m = xc.size(0);
   const bool bf16 = xc.scalar_type() == at::kBFloat16;
-  torch::Tensor out = torch::empty({m, n}, xc.options());
+  torch::Tensor out = torch::empty({m, n}, xc.options().dtype(out_float32 ? at::kFloat : xc.scalar_type()));
   if (m == 0) return out;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -718,7 +718,7 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
   p.xcorr = row_corrections ? scratch.corr.data() : nullptr;
   p.out = out.data_ptr();
   p.ldo = n;
-  p.out_bf16 = bf16;
+  p.out_bf16 = out.scalar_type() == at::kBFloat16;
   p.bias = b.defined() ? b.data_ptr() : nullptr;
   p.bias_bf16 = b.defined() && b.scalar_type() == at::kBFloat16;
 
@@ -779,7 +779,7 @@ int resolve_isa(int64_t isa) { return static_cast<int>(isa < 0 ? best_isa() : is
 
 torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n,
                               int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
-                              int64_t act_bits) {
+                              int64_t act_bits, bool out_float32) {
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "qlinear: act_bits must be 8 or 16");
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear: unsupported qtype ", qtype);
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
@@ -792,7 +792,7 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
   p.w = packed.data_ptr<uint8_t>();
   p.qtype = static_cast<int>(qtype);
   p.gbytes = gbytes;
-  return run_groups(x, n, k, bias, path, act_bits == 16 ? 2 : 1, packed.numel(), p,
+  return run_groups(x, n, k, bias, path, act_bits == 16 ? 2 : 1, packed.numel(), out_float32, p,
                     [&](int64_t g0, int64_t g1) {
                       for (int64_t g = g0; g < g1; ++g) {
                         switch (path) {
@@ -806,7 +806,8 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
 }
 
 torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
-                                   int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa) {
+                                   int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
+                                   bool out_float32) {
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == groups * (k / kBlock) * kRowsBlockBytes,
@@ -820,7 +821,7 @@ torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& 
   p.qtype = 0;
   p.gbytes = kRowsBlockBytes;
   p.wscale = scales.data_ptr<float>();
-  return run_groups(x, n, k, bias, path, 1, packed.numel(), p, [&](int64_t g0, int64_t g1) {
+  return run_groups(x, n, k, bias, path, 1, packed.numel(), out_float32, p, [&](int64_t g0, int64_t g1) {
     if (path == kAvx512Vnni) {
       rows_range_avx512(p, g0, g1);
     } else {

@@ -34,12 +34,15 @@ class Linear(nn.Module):
         self.rows_int8: Optional[Any] = None
         self.rows_int8_min_rows = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
+        """``x @ W.T + bias`` in x's dtype; ``float32_out`` (logits) returns float32, which the packed
+        kernels write directly instead of rounding to bf16 and converting back."""
         if self.packed is not None:
             if x.shape[0] <= self.packed_max_rows:
-                return self.packed(x, self.bias)
+                return self.packed(x, self.bias, float32_out=float32_out)
             if self.rows_int8 is not None and x.shape[0] >= self.rows_int8_min_rows:
-                return self.rows_int8(x, self.bias)
+                return self.rows_int8(x, self.bias, float32_out)
             if self.large_act_bits:
-                return self.packed(x, self.bias, self.large_act_bits)
-        return F.linear(x, self.weight, self.bias)
+                return self.packed(x, self.bias, self.large_act_bits, float32_out)
+        y = F.linear(x, self.weight, self.bias)
+        return y.float() if float32_out else y

@@ -162,25 +162,29 @@ class PackedWeight:
         """The same packed data, pinned to another instruction-set path (and activation precision)."""
         return PackedWeight(self.data, self.qtype, self.shape, isa, self.act_bits if act_bits is None else act_bits)
 
-    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_bits: int = 0) -> torch.Tensor:
-        """``x @ W.T + bias``; ``act_bits`` (8 or 16) overrides this weight's activation precision."""
+    def __call__(
+        self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_bits: int = 0, float32_out: bool = False
+    ) -> torch.Tensor:
+        """``x @ W.T + bias``; ``act_bits`` (8 or 16) overrides this weight's activation precision;
+        ``float32_out`` returns float32 whatever x's dtype (logits)."""
         op = self._op
         if op is None:
             mod = _native()
             op = self._op = mod.qlinear_forward if mod is not None else False
         if x.dim() != 2:
             lead = x.shape[:-1]
-            return self(x.reshape(-1, x.shape[-1]), bias, act_bits).view(*lead, self.shape[0])
+            return self(x.reshape(-1, x.shape[-1]), bias, act_bits, float32_out).view(*lead, self.shape[0])
+        out_dtype = torch.float32 if float32_out else x.dtype
         if op is False:
             y = x.float() @ self.dequantize().t()
             if bias is not None:
                 y = y + bias.float()
-            return y.to(x.dtype)
+            return y.to(out_dtype)
         bits = act_bits or self.act_bits
         if x.dtype not in (torch.bfloat16, torch.float32):
             return op(x.float(), self.data, self.qtype_id, self.shape[0], self.shape[1],
-                      None if bias is None else bias.float(), self._isa_id, bits).to(x.dtype)
-        return op(x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id, bits)
+                      None if bias is None else bias.float(), self._isa_id, bits).to(out_dtype)
+        return op(x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id, bits, float32_out)
 
     def to_gguf_blocks(self) -> torch.Tensor:
         """The raw GGUF blocks, uint8 [out_features, bytes_per_row] (inverse of the packing)."""
@@ -230,14 +234,16 @@ class RowInt8Weight:
     def nbytes(self) -> int:
         return self.data.numel() + 4 * self.scales.numel()
 
-    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, float32_out: bool = False) -> torch.Tensor:
+        """``x @ W.T + bias`` in x's dtype, or float32 with ``float32_out``."""
         if x.dim() != 2:
             lead = x.shape[:-1]
-            return self(x.reshape(-1, x.shape[-1]), bias).view(*lead, self.shape[0])
+            return self(x.reshape(-1, x.shape[-1]), bias, float32_out).view(*lead, self.shape[0])
         if x.dtype not in (torch.bfloat16, torch.float32):
             b = None if bias is None else bias.float()
-            return self._op(x.float(), self.data, self.scales, self.shape[0], self.shape[1], b, self.isa_id).to(x.dtype)
-        return self._op(x, self.data, self.scales, self.shape[0], self.shape[1], bias, self.isa_id)
+            y = self._op(x.float(), self.data, self.scales, self.shape[0], self.shape[1], b, self.isa_id)
+            return y if float32_out else y.to(x.dtype)
+        return self._op(x, self.data, self.scales, self.shape[0], self.shape[1], bias, self.isa_id, float32_out)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out_features, in_features]: exactly the weights the kernel multiplies."""

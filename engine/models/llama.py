@@ -189,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.forward(hidden).float()
+        return self.lm_head.forward(hidden, float32_out=True)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, merging q/k/v and gate/up into one matmul each."""
