@@ -9,6 +9,7 @@ for rows that sample (plus prompt rows of requests that asked for prompt logprob
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -82,49 +83,55 @@ class ModelRunner:
     # --- one step -----------------------------------------------------------------------
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, CPUAttentionMetadata, list[int]]:
+        """The batch as tensors: token ids, positions, attention metadata, and the rows needing logits.
+
+        Positions and slots are computed for the whole batch at once (a 32-decode step spent
+        ~0.25 ms of Python building them request by request).
+        """
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        query_start = [0]
-        seq_lens = []
+        scheduled = out.scheduled
+        num_reqs = len(scheduled)
+        starts = [s.request.num_computed_tokens for s in scheduled]
+        counts = [s.num_new_tokens for s in scheduled]
+        query_start = [0, *itertools.accumulate(counts)]
+        seq_lens = [a + n for a, n in zip(starts, counts)]
+        max_blocks = max((len(s.block_ids) for s in scheduled), default=1)
+        block_table = np.array([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled], dtype=np.int32)
+        num_tokens = query_start[-1]
+        if num_tokens == num_reqs:  # decodes only: one token per request, at its position
+            ids = [s.request.all_token_ids[a] for s, a in zip(scheduled, starts)]
+            rows = np.arange(num_reqs)
+            positions = np.array(starts, dtype=np.int64)
+        else:
+            ids = []
+            for s, a, n in zip(scheduled, starts, counts):
+                ids.extend(s.request.all_token_ids[a : a + n])
+            rows = np.repeat(np.arange(num_reqs), counts)
+            offsets = np.array(starts, dtype=np.int64) - np.array(query_start[:-1], dtype=np.int64)
+            positions = np.arange(num_tokens, dtype=np.int64) + offsets[rows]
+        slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         logit_rows: list[int] = []
-        num_reqs = len(out.scheduled)
-        max_blocks = max((len(s.block_ids) for s in out.scheduled), default=1)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        num_decodes = 0
-        for i, s in enumerate(out.scheduled):
+        for i, s in enumerate(scheduled):
             req = s.request
-            start, n = req.num_computed_tokens, s.num_new_tokens
-            ids.extend(req.all_token_ids[start : start + n])
-            pos = np.arange(start, start + n, dtype=np.int64)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            block_table[i, : len(s.block_ids)] = s.block_ids
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-            if n == 1:
-                num_decodes += 1
-            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
-                logit_rows.extend(range(query_start[-2], query_start[-1]))
+            if req.params.prompt_logprobs is not None and starts[i] < req.num_prompt_tokens:
+                logit_rows.extend(range(query_start[i], query_start[i + 1]))
             elif s.samples:
-                logit_rows.append(query_start[-1] - 1)
+                logit_rows.append(query_start[i + 1] - 1)
+        num_decodes = sum(1 for n in counts if n == 1)
         meta = CPUAttentionMetadata(
-            num_actual_tokens=len(ids),
+            num_actual_tokens=num_tokens,
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             query_start_loc=torch.tensor(query_start, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_table=torch.from_numpy(block_table),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_seq_len=max(seq_lens),
+            slot_mapping=torch.from_numpy(slots),
+            max_query_len=max(counts, default=0),
+            max_seq_len=max(seq_lens, default=0),
             query_start_loc_list=query_start,
             seq_lens_list=seq_lens,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        return input_ids, torch.from_numpy(np.concatenate(positions)), meta, logit_rows
+        return torch.tensor(ids, dtype=torch.long), torch.from_numpy(positions), meta, logit_rows
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
