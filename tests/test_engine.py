@@ -224,3 +224,40 @@ def test_native_packed_layers_match_the_modular_path(loaded, dtype):
         layer.packed, layer.packed_max_rows = packed, rows
     assert native == modular
     assert all(len(v) == 8 for v in native.values()) and len(native) == len(prompts)
+
+
+def test_batch_layout_of_a_mixed_step():
+    """The model runner's batch for decodes, a prompt chunk after cached context and a fresh prompt
+    asking for prompt logprobs: token ids, positions, KV slots (block_id * block_size + offset),
+    query starts, context lengths, padded block table, and the rows whose logits are needed."""
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import ScheduledRequest, SchedulerOutput
+    from engine.request import Request
+
+    def request(rid: str, prompt: list[int], outputs: list[int], computed: int, **params) -> Request:
+        r = Request(rid, prompt, SamplingParams(max_tokens=50, **params))
+        for t in outputs:
+            r.append_token(t)
+        r.num_computed_tokens = computed
+        return r
+
+    d1 = request("d1", list(range(100, 130)), list(range(200, 208)), 37)  # decodes position 37
+    d2 = request("d2", list(range(300, 310)), list(range(400, 406)), 15)  # position 15: last slot of block 0
+    chunk = request("c", list(range(500, 540)), [], 16)  # prompt positions 16..23 of 40
+    fresh = request("p", [7, 8, 9], [], 0, prompt_logprobs=1)
+    out = SchedulerOutput(
+        [ScheduledRequest(d1, 1, [7, 3, 9]), ScheduledRequest(d2, 1, [4]),
+         ScheduledRequest(chunk, 8, [2, 5]), ScheduledRequest(fresh, 3, [8])],
+        total_num_tokens=13, num_prefill_tokens=11, num_decode_tokens=2,
+    )
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size = 16
+    ids, positions, meta, logit_rows = runner._prepare(out)
+    assert ids.tolist() == [207, 405, *range(516, 524), 7, 8, 9]
+    assert positions.tolist() == [37, 15, *range(16, 24), 0, 1, 2]
+    assert meta.slot_mapping.tolist() == [9 * 16 + 5, 4 * 16 + 15, *range(5 * 16, 5 * 16 + 8), 128, 129, 130]
+    assert meta.query_start_loc.tolist() == meta.query_start_loc_list == [0, 1, 2, 10, 13]
+    assert meta.seq_lens.tolist() == meta.seq_lens_list == [38, 16, 24, 3]
+    assert meta.block_table.tolist() == [[7, 3, 9], [4, 0, 0], [2, 5, 0], [8, 0, 0]]
+    assert (meta.num_decodes, meta.max_query_len, meta.max_seq_len, meta.num_actual_tokens) == (2, 8, 38, 13)
+    assert logit_rows == [0, 1, 10, 11, 12]  # the decodes sample; the chunk does not; all of p's rows
