@@ -98,17 +98,12 @@ class ModelRunner:
         max_blocks = max((len(s.block_ids) for s in scheduled), default=1)
         block_table = np.array([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled], dtype=np.int32)
         num_tokens = query_start[-1]
-        if num_tokens == num_reqs:  # decodes only: one token per request, at its position
-            ids = [s.request.all_token_ids[a] for s, a in zip(scheduled, starts)]
-            rows = np.arange(num_reqs)
-            positions = np.array(starts, dtype=np.int64)
-        else:
-            ids = []
-            for s, a, n in zip(scheduled, starts, counts):
-                ids.extend(s.request.all_token_ids[a : a + n])
-            rows = np.repeat(np.arange(num_reqs), counts)
-            offsets = np.array(starts, dtype=np.int64) - np.array(query_start[:-1], dtype=np.int64)
-            positions = np.arange(num_tokens, dtype=np.int64) + offsets[rows]
+        ids: list[int] = []
+        for s, a, n in zip(scheduled, starts, counts):
+            ids.extend(s.request.all_token_ids[a : a + n])
+        rows = np.repeat(np.arange(num_reqs), counts)  # the request of each token
+        offsets = np.array(starts, dtype=np.int64) - np.array(query_start[:-1], dtype=np.int64)
+        positions = np.arange(num_tokens, dtype=np.int64) + offsets[rows]
         slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         logit_rows: list[int] = []
         for i, s in enumerate(scheduled):

@@ -14,7 +14,7 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
                               int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits,
                               bool out_float32 = false);
 // Row-scaled int8 weights (layout in qlinear.h; scales float32 [groups * 16]), int8 activations;
-// isa: -1 best, 0 scalar, 3 avx512-vnni (the only two paths).
+// isa: -1 best, 0 scalar, 3 avx512-vnni (the only two paths); out_float32 as above.
 torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                                    int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
                                    bool out_float32 = false);
