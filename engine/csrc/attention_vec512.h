@@ -429,32 +429,49 @@ struct Bf16Ops {
 // registers right before the dpbf16s.
 template <int RB>
 static inline void qk_direct_bf16(const int32_t* q, int qs, const void* const* krows, int D, int n, float* S) {
+  // NS partial sums per row: with few rows, one accumulator per row is a chain of 2D/2 dependent
+  // dpbf16s, latency- not throughput-bound; ~12 independent chains keep both FMA pipes busy.
+  constexpr int NS = RB >= 7 ? 1 : RB >= 5 ? 2 : RB == 4 ? 3 : 4;
   for (int h = 0; h < KT / 16; ++h) {
     if (h * 16 >= n) {
       for (int r = 0; r < RB; ++r) _mm512_store_ps(S + r * KT + h * 16, _mm512_setzero_ps());
       continue;
     }
-    __m512 acc[RB];
+    __m512 acc[RB][NS];
 #pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+      for (int i = 0; i < NS; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int c = 0; c * 32 < D; ++c) {
       const __mmask32 mk = mask32(D - c * 32);
       __m512i t[16];
+      if (h * 16 + 16 <= n) {
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) {
-        const uint16_t* row = static_cast<const uint16_t*>(krows[h * 16 + i]);
-        t[i] = h * 16 + i < n ? _mm512_maskz_loadu_epi16(mk, row + c * 32) : _mm512_setzero_si512();
+        for (int i = 0; i < 16; ++i)
+          t[i] = _mm512_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(krows[h * 16 + i]) + c * 32);
+      } else {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          const uint16_t* row = static_cast<const uint16_t*>(krows[h * 16 + i]);
+          t[i] = h * 16 + i < n ? _mm512_maskz_loadu_epi16(mk, row + c * 32) : _mm512_setzero_si512();
+        }
       }
       transpose16(t);
+      // The query pair as the last operand: it folds into the dpbf16's {1to16} memory broadcast.
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r)
-          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q[r * qs + c * 16 + j]), (__m512bh)t[j]);
+          acc[r][j % NS] = _mm512_dpbf16_ps(acc[r][j % NS], (__m512bh)t[j], (__m512bh)_mm512_set1_epi32(q[r * qs + c * 16 + j]));
       }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) _mm512_store_ps(S + r * KT + h * 16, acc[r]);
+    for (int r = 0; r < RB; ++r) {
+      __m512 sum = acc[r][0];
+#pragma GCC unroll 4
+      for (int i = 1; i < NS; ++i) sum = _mm512_add_ps(sum, acc[r][i]);
+      _mm512_store_ps(S + r * KT + h * 16, sum);
+    }
   }
 }
 
