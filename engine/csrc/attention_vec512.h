@@ -457,7 +457,6 @@ static inline void qk_direct_bf16(const int32_t* q, int qs, const void* const* k
         }
       }
       transpose16(t);
-      // The query pair as the last operand: it folds into the dpbf16's {1to16} memory broadcast.
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
 #pragma GCC unroll 8
