@@ -16,12 +16,12 @@ import logging
 import time
 import uuid
 from collections import Counter
-from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
+from typing import AsyncIterator, Awaitable, Optional, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 
-from engine.async_engine import EngineDeadError
+from engine.async_engine import Delivery, EngineDeadError, Mailbox
 from engine.engine import RequestError
 from engine.request import CompletionDelta, SamplingParams
 from service.errors import APIError
@@ -30,7 +30,6 @@ from service.state import ServerState
 logger = logging.getLogger("service.requests")
 
 T = TypeVar("T")
-_END = object()
 
 
 def new_request_id(prefix: str) -> str:
@@ -58,15 +57,18 @@ class Generation:
             except RequestError as exc:
                 raise APIError(400, str(exc), param=exc.param) from None
         self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        self.streams: list[AsyncIterator[CompletionDelta]] = []
+        # Every prompt's deltas arrive here tagged with its index, straight from the engine thread's
+        # hand-off: one wake-up per streamed token on the event loop.
+        self._box: Mailbox[Delivery] = Mailbox(asyncio.get_running_loop())
+        submitted = 0
         try:
-            for rid, ids in zip(self.engine_ids, prompts):
-                self.streams.append(state.submit(rid, ids, params, priority))
+            for i, (rid, ids) in enumerate(zip(self.engine_ids, prompts)):
+                state.submit(rid, ids, params, priority, self._box, i)
+                submitted += 1
         except APIError:
-            for rid in self.engine_ids[: len(self.streams)]:
+            for rid in self.engine_ids[:submitted]:
                 state.abort(rid)
             raise
-        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         state.generations.add(self)
         self.first_token_at: Optional[float] = None
         self.finish_reasons: Counter[str] = Counter()
@@ -87,16 +89,12 @@ class Generation:
 
         Consume it under ``contextlib.aclosing`` so an early exit aborts the rest at once.
         """
-        queue = self._queue
-        pumps = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(self.streams)]
-        open_streams = len(pumps)
+        box = self._box
+        open_choices = self.num_choices
         outcome = "abort"
         try:
-            while open_streams:
-                i, item = await queue.get()
-                if item is _END:
-                    open_streams -= 1
-                    continue
+            while open_choices:
+                i, item = await box.get()
                 if isinstance(item, APIError):  # cancel(): ended by the server, not the engine
                     raise item
                 if isinstance(item, BaseException):
@@ -108,21 +106,21 @@ class Generation:
                 if item.finish_reason == "error":
                     outcome = "error"
                     raise APIError(500, f"generation failed: {item.error or 'engine error'}")
+                if item.finished:
+                    open_choices -= 1
                 yield i, item
             outcome = "done"
         finally:
             self.state.generations.discard(self)
-            for task in pumps:
-                task.cancel()
             if outcome != "done":
                 for rid in self.engine_ids:
-                    self.state.abort(rid)  # frees the KV blocks now, not when the pumps wind down
+                    self.state.abort(rid)  # frees the KV blocks now
                 self.state.metrics.ended_early(outcome, self.num_choices - sum(self.finish_reasons.values()))
             self._log(outcome)
 
     def cancel(self, error: APIError) -> None:
         """End this request early: its consumer gets ``error`` and its sequences are aborted."""
-        self._queue.put_nowait((-1, error))
+        self._box.put((-1, error))
 
     def _observe(self, prompt_index: int, d: CompletionDelta) -> None:
         now = time.monotonic()
@@ -150,18 +148,6 @@ class Generation:
             self.request_id, what, len(self.prompts), self.n, self.prompt_tokens, self.completion_tokens,
             self.cached_tokens, finish, ttft, time.monotonic() - self.t0,
         )
-
-
-async def _pump(index: int, stream: AsyncIterator[CompletionDelta], queue: asyncio.Queue) -> None:
-    try:
-        async for delta in stream:
-            queue.put_nowait((index, delta))
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - handed to the consumer
-        queue.put_nowait((index, exc))
-        return
-    queue.put_nowait((index, _END))
 
 
 # --- responses ------------------------------------------------------------------------------------

@@ -16,12 +16,12 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from engine.async_engine import AsyncEngine, Delivery, EngineDeadError, Mailbox, QueueFullError
 from engine.engine import LLMEngine, RequestError
 from engine.loader import ModelLoadError
-from engine.request import CompletionDelta, SamplingParams
+from engine.request import SamplingParams
 from service import faults
 from service.config import ServiceConfig
 from service.errors import APIError
@@ -177,11 +177,13 @@ class ServerState:
             )
 
     def submit(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int
-    ) -> AsyncIterator[CompletionDelta]:
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int,
+        box: Mailbox[Delivery], tag: int,
+    ) -> None:
+        """Queue one prompt; its deltas (or the error that ends it) arrive in ``box`` as ``(tag, item)``."""
         _, async_engine = self.engines()
         try:
-            return async_engine.add_request(request_id, prompt_ids, params, priority)
+            async_engine.submit(request_id, prompt_ids, params, box, tag, priority)
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         except QueueFullError as exc:

@@ -1,5 +1,5 @@
-"""AsyncEngine on a fake engine: the queue limit counts sequences, and a dying loop fails every
-stream and calls on_dead."""
+"""AsyncEngine on a fake engine: the queue limit counts sequences, a dying loop fails every
+stream and calls on_dead, and requests submitted into one mailbox arrive tagged, in step order."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from engine.request import SamplingParams
+from engine.async_engine import AsyncEngine, Delivery, EngineDeadError, Mailbox, QueueFullError
+from engine.request import CompletionDelta, SamplingParams
 
 
 class FakeEngine:
@@ -88,3 +88,42 @@ def test_a_dying_loop_fails_every_stream_and_calls_on_dead() -> None:
         ae.stop()
 
     asyncio.run(run())
+
+
+class CountingEngine(FakeEngine):
+    """Each step gives every live request its next token; a request finishes after 3."""
+
+    def __init__(self) -> None:
+        super().__init__(max_waiting=8)
+        self.made: dict[str, int] = {}
+
+    def step(self):  # noqa: ANN201
+        time.sleep(0.002)
+        deltas = []
+        for rid in list(self.added):
+            k = self.made[rid] = self.made.get(rid, 0) + 1
+            done = k == 3
+            deltas.append(CompletionDelta(rid, rid, 0, [k], f"{rid}{k}", [], done, "length" if done else None))
+            if done:
+                self.added.remove(rid)
+        return deltas, None, []
+
+
+def test_submitted_requests_share_one_mailbox_tagged_and_in_step_order() -> None:
+    async def run() -> list[tuple[int, str]]:
+        ae = AsyncEngine(CountingEngine())
+        ae.start()
+        box: Mailbox[Delivery] = Mailbox(asyncio.get_running_loop())
+        ae.submit("x", [1], SamplingParams(), box, 7)
+        ae.submit("y", [1], SamplingParams(), box, 8)
+        got = []
+        while len(got) < 6:
+            tag, d = await asyncio.wait_for(box.get(), 5)
+            got.append((tag, d.new_text))
+        ae.stop()
+        return got
+
+    got = asyncio.run(run())
+    assert sorted(got) == [(7, "x1"), (7, "x2"), (7, "x3"), (8, "y1"), (8, "y2"), (8, "y3")]
+    assert [text for tag, text in got if tag == 7] == ["x1", "x2", "x3"]
+    assert [text for tag, text in got if tag == 8] == ["y1", "y2", "y3"]
