@@ -64,16 +64,16 @@ class Mailbox(Generic[T]):
     """An unbounded queue with one consumer, on one event loop (not thread-safe).
 
     What ``asyncio.Queue`` does for a token stream, without its size limit, task accounting
-    and list of getters: every streamed token crosses one (two for multi-prompt requests),
-    and on a 2-core host the event loop's CPU is taken from the model's threads.
+    and list of getters: every streamed token crosses one, and on a 2-core host the event
+    loop's CPU is taken from the model's threads.
     """
 
-    __slots__ = ("_items", "_waiter", "_loop")
+    __slots__ = ("_items", "_waiter", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._items: collections.deque[T] = collections.deque()
         self._waiter: Optional[asyncio.Future[None]] = None
-        self._loop = loop
+        self.loop = loop  # where put() must be called (the engine thread goes through call_soon_threadsafe)
 
     def put(self, item: T) -> None:
         self._items.append(item)
@@ -83,7 +83,7 @@ class Mailbox(Generic[T]):
 
     async def get(self) -> T:
         while not self._items:
-            self._waiter = self._loop.create_future()
+            self._waiter = self.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -96,7 +96,6 @@ Delivery = tuple[int, "CompletionDelta | BaseException"]  # (the submitter's tag
 
 @dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
     box: Mailbox[Delivery]
     tag: int
     unfinished_choices: int  # counted down on the engine thread as choices finish
@@ -184,7 +183,7 @@ class AsyncEngine:
         request_id: str,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        box: "Mailbox[Delivery]",
+        box: Mailbox[Delivery],
         tag: int,
         priority: int = 0,
     ) -> None:
@@ -198,7 +197,7 @@ class AsyncEngine:
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
         self.engine.validate(list(prompt_ids), params)
-        stream = _Stream(asyncio.get_running_loop(), box, tag, params.n)
+        stream = _Stream(box, tag, params.n)
         with self._lock:
             waiting = self.num_waiting
             if waiting and waiting + params.n > self.max_waiting:
@@ -210,7 +209,7 @@ class AsyncEngine:
         self._commands.put(("add", request_id, list(prompt_ids), params, priority, time.monotonic()))
         self._wake.set()
 
-    async def _iterate(self, request_id: str, box: "Mailbox[Delivery]", n: int) -> AsyncIterator[CompletionDelta]:
+    async def _iterate(self, request_id: str, box: Mailbox[Delivery], n: int) -> AsyncIterator[CompletionDelta]:
         finished = False
         open_choices = n
         try:
@@ -311,7 +310,7 @@ class AsyncEngine:
                     stream.unfinished_choices -= 1
                     if stream.unfinished_choices <= 0:
                         del self._streams[d.parent_id]
-                batches.setdefault(stream.loop, []).append((stream.box, (stream.tag, d)))
+                batches.setdefault(stream.box.loop, []).append((stream.box, (stream.tag, d)))
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_deliver, batch)
 
@@ -319,10 +318,10 @@ class AsyncEngine:
         with self._lock:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.box.put, (stream.tag, exc))
+            stream.box.loop.call_soon_threadsafe(stream.box.put, (stream.tag, exc))
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.loop.call_soon_threadsafe(stream.box.put, (stream.tag, exc))
+            stream.box.loop.call_soon_threadsafe(stream.box.put, (stream.tag, exc))
