@@ -2,8 +2,9 @@
 //
 // At batch 1 a layer's element-wise work is tiny; what costs is the count of torch ops (each a
 // few microseconds of Python and dispatcher), ~30 per layer in the torch reference.  Each op here
-// is one pybind11 call, one pass over the data, vectorized (AVX-512, else AVX2, else scalar; picked
-// at run time) and parallel over tokens only when a batch is big enough to pay for the threads.
+// is one pybind11 call, one pass over the data, vectorized (AVX-512 with or without BF16, else AVX2,
+// else scalar; picked at run time) and parallel over tokens only when a batch is big enough to pay
+// for the threads.
 // engine/layers/fused.py dispatches here and keeps the torch code as reference and fallback.
 #include "ops.h"
 
@@ -168,6 +169,35 @@ struct Vec512 {
 #undef FUSED_VEC
 #pragma GCC pop_options
 
+// AVX-512 plus its BF16 extension: vcvtneps2bf16 rounds 16 floats to bf16 in one instruction where
+// Vec512 spends seven integer ops.  32 rows of the default model, one thread, per call from Python
+// (~1 us of which is the call): add + RMSNorm 5.5 -> 4.3 us, RoPE 5.8 -> 4.3 us, SiLU * up 21 ->
+// 16.5 us.  The instruction flushes denormal results to zero, the one place where this path may
+// differ from the others (by less than 1e-38).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+namespace fused {
+namespace {
+struct Vec512Bf16 : Vec512 {
+  Vec512Bf16(Vec512 a) : Vec512(a) {}  // Vec512's arithmetic, with the two roundings below
+  static __m256i bf16(__m512 f) {  // round to nearest even; NaN -> 0x7fc0 as torch
+    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
+    return _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), h, _mm256_set1_epi16(0x7fc0));
+  }
+  static void store_bf16(uint16_t* p, Vec512 a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16(a.v)); }
+  static Vec512 round_bf16(Vec512 a) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16(a.v)), 16))};
+  }
+};
+}  // namespace
+}  // namespace fused
+#define FUSED_NS avx512bf16
+#define FUSED_VEC Vec512Bf16
+#include "fused_impl.h"
+#undef FUSED_NS
+#undef FUSED_VEC
+#pragma GCC pop_options
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace fused {
@@ -236,7 +266,7 @@ struct Vec256 {
 namespace fused {
 namespace {
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 bool isa_supported(int isa) {
   switch (isa) {
@@ -245,12 +275,16 @@ bool isa_supported(int isa) {
     case kAvx512:
       return isa_supported(kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case kAvx512Bf16: return isa_supported(kAvx512) && __builtin_cpu_supports("avx512bf16");
     default: return false;
   }
 }
 
 int best_isa() {
-  static const int best = isa_supported(kAvx512) ? kAvx512 : isa_supported(kAvx2) ? kAvx2 : kScalar;
+  static const int best = isa_supported(kAvx512Bf16) ? kAvx512Bf16
+                          : isa_supported(kAvx512)   ? kAvx512
+                          : isa_supported(kAvx2)     ? kAvx2
+                                                     : kScalar;
   return best;
 }
 
@@ -278,6 +312,7 @@ void for_rows(int64_t rows, int64_t row_elems, Fn fn) {
 
 void norm_rows(const NormArgs& a, int64_t r0, int64_t r1) {
   switch (isa()) {
+    case kAvx512Bf16: avx512bf16::add_rms_norm_rows(a, r0, r1); break;
     case kAvx512: avx512::add_rms_norm_rows(a, r0, r1); break;
     case kAvx2: avx2::add_rms_norm_rows(a, r0, r1); break;
     default: scalar::add_rms_norm_rows(a, r0, r1); break;
@@ -327,7 +362,7 @@ void fused_set_isa(int64_t isa) {
 
 std::vector<int64_t> fused_isas() {
   std::vector<int64_t> out;
-  for (int i = kScalar; i <= kAvx512; ++i)
+  for (int i = kScalar; i <= kAvx512Bf16; ++i)
     if (isa_supported(i)) out.push_back(i);
   return out;
 }
@@ -386,6 +421,7 @@ c10::optional<torch::Tensor> fused_silu_and_mul(const torch::Tensor& x_in) {
   SiluArgs a{x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), d, x.scalar_type() == at::kBFloat16};
   for_rows(x.size(0), 2 * d, [&](int64_t r0, int64_t r1) {
     switch (isa()) {
+      case kAvx512Bf16: avx512bf16::silu_and_mul_rows(a, r0, r1); break;
       case kAvx512: avx512::silu_and_mul_rows(a, r0, r1); break;
       case kAvx2: avx2::silu_and_mul_rows(a, r0, r1); break;
       default: scalar::silu_and_mul_rows(a, r0, r1); break;
@@ -424,6 +460,7 @@ c10::optional<std::tuple<torch::Tensor, torch::Tensor>> fused_rope(const torch::
   a.bf16 = q.scalar_type() == at::kBFloat16;
   for_rows(t, q.size(1) + k.size(1), [&](int64_t r0, int64_t r1) {
     switch (isa()) {
+      case kAvx512Bf16: avx512bf16::rope_rows(a, r0, r1); break;
       case kAvx512: avx512::rope_rows(a, r0, r1); break;
       case kAvx2: avx2::rope_rows(a, r0, r1); break;
       default: scalar::rope_rows(a, r0, r1); break;
