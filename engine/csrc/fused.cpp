@@ -180,7 +180,7 @@ namespace fused {
 namespace {
 struct Vec512Bf16 : Vec512 {
   Vec512Bf16(Vec512 a) : Vec512(a) {}  // Vec512's arithmetic, with the two roundings below
-  static __m256i bf16(__m512 f) {  // round to nearest even; NaN -> 0x7fc0 as torch
+  static __m256i bf16(__m512 f) {  // round to nearest even; NaN -> 0x7fc0, the bits every other path gives
     const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
     return _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), h, _mm256_set1_epi16(0x7fc0));
   }
