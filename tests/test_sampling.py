@@ -266,11 +266,14 @@ def test_native_cut_off_matches_a_full_sort_on_many_rows():
 def test_native_greedy_argmax_matches_torch():
     """Greedy tokens come from the native argmax: the same index torch.argmax gives (first
     maximum, first NaN) on ties, all -inf rows, NaNs, widths around the 16-lane vector, the
-    real vocabulary and rows of a strided view."""
-    if sampler._native_op("argmax_rows") is None:
+    real vocabulary and rows of a strided view -- on the path this CPU picks and on every
+    other one it can run (scalar, AVX2, AVX-512)."""
+    argmax = sampler._native_op("argmax_rows")
+    if argmax is None:
         pytest.skip("native extension unavailable")
+    best = sampler._native_op("argmax_best_isa")()
     torch.manual_seed(3)
-    for width in (1, 5, 15, 16, 17, 33, 1000, 49152):
+    for width in (1, 5, 8, 15, 16, 17, 31, 32, 33, 47, 1000, 49152):
         rows = torch.randn(12, width)
         rows[1] = 0.0  # all tied: index 0
         rows[2] = -float("inf")
@@ -283,6 +286,8 @@ def test_native_greedy_argmax_matches_torch():
         rows[8, width - 1] = 100.0  # maximum in the tail past the last full vector
         for x in (rows, rows[::2], rows[:, : max(1, width - 1)]):
             assert torch.equal(sampler.greedy_tokens(x), x.argmax(dim=-1)), width
+            for isa in range(best + 1):
+                assert torch.equal(argmax(x, isa), x.argmax(dim=-1)), (width, isa)
     logits = torch.randn(3, 40)
     assert torch.equal(sampler.greedy_tokens(logits.bfloat16()), logits.bfloat16().argmax(dim=-1))  # torch path
 

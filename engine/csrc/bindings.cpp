@@ -38,7 +38,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- sampling.cpp ----
   m.def("sampling_thresholds", &sampling_thresholds, "per-row top-k / top-p cut-off of unnormalised probabilities", nogil,
         py::arg("e"), py::arg("top_k"), py::arg("top_p"));
-  m.def("argmax_rows", &argmax_rows, "per-row index of the first maximum (torch.argmax(x, -1))", nogil, py::arg("x"));
+  m.def("argmax_rows", &argmax_rows, "per-row index of the first maximum (torch.argmax(x, -1))", nogil, py::arg("x"),
+        py::arg("isa") = -1);
+  m.def("argmax_best_isa", &argmax_best_isa, "the argmax path used by default (0 scalar, 1 AVX2, 2 AVX-512)");
   // ---- end sampling.cpp ----
   // ---- decoder_layer.cpp ----
   py::class_<PackedProjection>(m, "PackedProjection")

@@ -62,7 +62,9 @@ void fused_set_isa(int64_t isa);    // pin a path (tests); -1: best
 torch::Tensor sampling_thresholds(const torch::Tensor& e, const torch::Tensor& top_k, const torch::Tensor& top_p);
 // x: float32 [R, V], rows contiguous.  Returns int64 [R]: torch.argmax(x, -1) (first maximum;
 // the first NaN where a row has one).
-torch::Tensor argmax_rows(const torch::Tensor& x);
+// isa: -1 the best this CPU has, 0 scalar, 1 AVX2, 2 AVX-512 (tests pin each one).
+torch::Tensor argmax_rows(const torch::Tensor& x, int64_t isa);
+int64_t argmax_best_isa();
 // ---- end sampling.cpp ----
 
 // ---- decoder_layer.cpp (a Llama layer's packed path around its attention; see engine/models/llama.py) ----

@@ -4,7 +4,9 @@
 //   an unfamiliar prompt) under top_p = 0.95 keeps tens of thousands of tokens; torch's sort of
 //   49,152 of them cost ~2.4 ms a row here.
 // - greedy argmax: torch's CPU argmax took ~0.44 ms for 32 rows of 49,152 logits (~2% of a
-//   32-row decode step); one AVX-512 pass takes a few microseconds a row.
+//   32-row decode step); one AVX-512 pass takes a few microseconds a row.  On AVX2-only hosts the
+//   scalar scan took 3.8 ms for those rows (4% of a decode step on a 2-core Zen 3; torch 2.0 ms),
+//   an AVX2 pass ~0.3 ms.
 #include "ops.h"
 
 #include <immintrin.h>
@@ -145,23 +147,78 @@ __attribute__((target("avx512f"))) int64_t argmax_avx512(const float* x, int64_t
   return argmax_scalar(x, n, i, _mm512_mask_reduce_min_epi32(at_max, best_i));  // then the tail
 }
 
+
+// argmax_avx512 in 8-lane halves, two vectors a step (independent compare/blend chains).
+__attribute__((target("avx2"))) int64_t argmax_avx2(const float* x, int64_t n) {
+  if (n < 16 || n >= (int64_t{1} << 31)) return argmax_scalar(x, n);
+  __m256 best0 = _mm256_loadu_ps(x), best1 = _mm256_loadu_ps(x + 8);
+  __m256i idx0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx1 = _mm256_add_epi32(idx0, _mm256_set1_epi32(8));
+  __m256i best_i0 = idx0, best_i1 = idx1;
+  const __m256i step = _mm256_set1_epi32(16);
+  __m256 nan = _mm256_cmp_ps(best0, best1, _CMP_UNORD_Q);
+  int64_t i = 16;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    idx0 = _mm256_add_epi32(idx0, step);
+    idx1 = _mm256_add_epi32(idx1, step);
+    const __m256 gt0 = _mm256_cmp_ps(v0, best0, _CMP_GT_OQ), gt1 = _mm256_cmp_ps(v1, best1, _CMP_GT_OQ);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
+    best0 = _mm256_blendv_ps(best0, v0, gt0);
+    best1 = _mm256_blendv_ps(best1, v1, gt1);
+    best_i0 = _mm256_blendv_epi8(best_i0, idx0, _mm256_castps_si256(gt0));
+    best_i1 = _mm256_blendv_epi8(best_i1, idx1, _mm256_castps_si256(gt1));
+  }
+  if (_mm256_movemask_ps(nan)) return argmax_scalar(x, n);
+  alignas(32) float vals[16];
+  alignas(32) int32_t ids[16];
+  _mm256_store_ps(vals, best0);
+  _mm256_store_ps(vals + 8, best1);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ids), best_i0);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ids + 8), best_i1);
+  int lane = 0;
+  for (int l = 1; l < 16; ++l)
+    if (vals[l] > vals[lane] || (vals[l] == vals[lane] && ids[l] < ids[lane])) lane = l;
+  return argmax_scalar(x, n, i, ids[lane]);  // then the tail
+}
+
+enum ArgmaxIsa { kArgmaxScalar = 0, kArgmaxAvx2 = 1, kArgmaxAvx512 = 2 };
+
+int best_argmax_isa() {
+  static const int isa = __builtin_cpu_supports("avx512f") ? kArgmaxAvx512
+                         : __builtin_cpu_supports("avx2") ? kArgmaxAvx2
+                                                          : kArgmaxScalar;
+  return isa;
+}
+
+int64_t argmax_row(int isa, const float* x, int64_t n) {
+  switch (isa) {
+    case kArgmaxAvx512: return argmax_avx512(x, n);
+    case kArgmaxAvx2: return argmax_avx2(x, n);
+    default: return argmax_scalar(x, n);
+  }
+}
+
 }  // namespace
 
-torch::Tensor argmax_rows(const torch::Tensor& x) {
+torch::Tensor argmax_rows(const torch::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(),
               "argmax_rows: x must be a float32 CPU matrix with contiguous rows");
   const int64_t R = x.size(0), V = x.size(1), ld = x.stride(0);
   TORCH_CHECK(V > 0, "argmax_rows: rows must not be empty");
+  const int best = best_argmax_isa();
+  TORCH_CHECK(isa <= best, "argmax_rows: path ", isa, " is not supported on this CPU (best: ", best, ")");
+  const int path = isa < 0 ? best : static_cast<int>(isa);
   torch::Tensor out = torch::empty({R}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
   // Rows split over threads only when there are enough of them to pay for waking the pool.
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), R / 4)));
 #pragma omp parallel for num_threads(threads) if (threads > 1 && !omp_in_parallel())
-  for (int64_t r = 0; r < R; ++r) op[r] = avx512 ? argmax_avx512(xp + r * ld, V) : argmax_scalar(xp + r * ld, V);
+  for (int64_t r = 0; r < R; ++r) op[r] = argmax_row(path, xp + r * ld, V);
   return out;
 }
+
+int64_t argmax_best_isa() { return best_argmax_isa(); }
 
 torch::Tensor sampling_thresholds(const torch::Tensor& e, const torch::Tensor& top_k, const torch::Tensor& top_p) {
   TORCH_CHECK(e.dim() == 2 && e.scalar_type() == at::kFloat && e.is_contiguous() && e.device().is_cpu(),
