@@ -136,7 +136,7 @@ def test_other_head_sizes(isa, dtype, head_size):
 @pytest.mark.parametrize("gqa", [2, 4, 7, 8, 16])
 @pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
 def test_gqa_group_sizes(isa, gqa, head_size):
-    """Decode groups of 2-16 query rows per kv head (vec512 reads the cache directly up to
+    """Decode groups of 2-16 query rows per kv head (vec512 and vec256 read the cache directly up to
     8 rows, then through tiles) and a 2-token chunk (rows from two positions)."""
     _need(isa)
     q_seq = MIXED[:6] + [(2, 50)]

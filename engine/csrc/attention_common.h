@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace cpuserve_attn {
@@ -174,6 +175,22 @@ inline void touch_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int 
   flush();
   static thread_local volatile int sink;  // keeps the loads
   sink = _mm_cvtsi128_si32(acc);
+}
+
+// f(std::integral_constant<int, R>{}) for R = 1..8 (larger R as 8): the direct decode paths
+// take their row count as a template argument, so their accumulators live in registers.
+template <class F>
+inline void with_rows_upto8(int R, F&& f) {
+  switch (R) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
 }
 
 // Per-ISA operations the tile loop calls (static members of an Ops struct):

@@ -556,16 +556,7 @@ struct Bf16DecodeOps {
   __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
     const int32_t* q = static_cast<const int32_t*>(s.q);
     const int qs = p.Dp / 2;
-    switch (R) {
-      case 1: return qk_direct_bf16<1>(q, qs, s.krows, p.D, n, s.S);
-      case 2: return qk_direct_bf16<2>(q, qs, s.krows, p.D, n, s.S);
-      case 3: return qk_direct_bf16<3>(q, qs, s.krows, p.D, n, s.S);
-      case 4: return qk_direct_bf16<4>(q, qs, s.krows, p.D, n, s.S);
-      case 5: return qk_direct_bf16<5>(q, qs, s.krows, p.D, n, s.S);
-      case 6: return qk_direct_bf16<6>(q, qs, s.krows, p.D, n, s.S);
-      case 7: return qk_direct_bf16<7>(q, qs, s.krows, p.D, n, s.S);
-      default: return qk_direct_bf16<8>(q, qs, s.krows, p.D, n, s.S);
-    }
+    with_rows_upto8(R, [&](auto rb) { qk_direct_bf16<decltype(rb)::value>(q, qs, s.krows, p.D, n, s.S); });
   }
 
   static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
@@ -574,16 +565,7 @@ struct Bf16DecodeOps {
 
   __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
     const int32_t* P = static_cast<const int32_t*>(s.P);
-    switch (R) {
-      case 1: return pv_direct_rows<1>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
-      case 2: return pv_direct_rows<2>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
-      case 3: return pv_direct_rows<3>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
-      case 4: return pv_direct_rows<4>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
-      case 5: return pv_direct_rows<5>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
-      case 6: return pv_direct_rows<6>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
-      case 7: return pv_direct_rows<7>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
-      default: return pv_direct_rows<8>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha);
-    }
+    with_rows_upto8(R, [&](auto rb) { pv_direct_rows<decltype(rb)::value>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
   }
 
   static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
