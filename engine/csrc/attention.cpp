@@ -213,7 +213,8 @@ int amx_min_rows() {
   return v;
 }
 
-UnitFn unit_fn(Isa isa, bool bf16, bool kv_same, int R) {
+UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
+  const bool bf16 = p.model_bf16;
   switch (isa) {
     case Isa::kAmx:
 #if CPUSERVE_HAVE_AMX
@@ -224,7 +225,7 @@ UnitFn unit_fn(Isa isa, bool bf16, bool kv_same, int R) {
       if (bf16) return &run_unit<amx_emu::Ops>;
       break;
     case Isa::kVec256:
-      if (bf16 && kv_same && R <= v256::DecodeOps::kMaxRows) return &run_unit<v256::DecodeOps>;
+      if (bf16 && p.kv_kind == KvKind::kSame && R <= v256::DecodeOps::kMaxRows) return &run_unit<v256::DecodeOps>;
       return &run_unit<v256::Ops>;
     case Isa::kVec512:
       break;
@@ -402,12 +403,11 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
   float* part = partials.data();
 
   const int64_t nu = units.size(), nm = merges.size();
-  const bool kv_same = p.kv_kind == KvKind::kSame;
   const int errors_before = emu::g_errors.load();
   if (nt == 1 || nu == 1) {
     for (int64_t u = 0; u < nu; ++u) {
       const WorkUnit& w = units[u];
-      unit_fn(isa, bf16, kv_same, (w.t1 - w.t0) * G)(p, w, part);
+      unit_fn(isa, p, (w.t1 - w.t0) * G)(p, w, part);
     }
     for (int64_t m = 0; m < nm; ++m) merge_splits(p, merges[m], part);
   } else {
@@ -416,7 +416,7 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
 #pragma omp for schedule(dynamic, 1)
       for (int64_t u = 0; u < nu; ++u) {
         const WorkUnit& w = units[u];
-        unit_fn(isa, bf16, kv_same, (w.t1 - w.t0) * G)(p, w, part);
+        unit_fn(isa, p, (w.t1 - w.t0) * G)(p, w, part);
       }
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < nm; ++m) merge_splits(p, merges[m], part);

@@ -330,7 +330,6 @@ struct Ops {
   }
 };
 
-
 // Decode: few query rows (one token's GQA group, R <= kMaxRows), bf16 model and cache.
 // The tile path above widens every K and V row to fp32 in scratch and transposes K, which
 // costs more than the dot products when only a handful of rows reuse each key; here the
@@ -340,6 +339,13 @@ struct Ops {
 // the 8 lanes are summed across 8 keys at once.  PV: V rows widened in natural order,
 // a broadcast probability times 8 outputs per FMA.  2-core Zen 3 (AVX2), 32 decodes of ~150
 // keys, 30 layers inside a decode step: 18.2 / 16.3 / 17.9 -> 15.3 / 14.0 / 12.0 ms.
+// 16 bf16 at p -> fp32 of the even-indexed ones (*even) and of the odd-indexed ones (*odd).
+static inline void split_bf16x16(const uint16_t* p, __m256* even, __m256* odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 static inline __m256 sum8_lanes(const float* t) {  // t: 8 vectors a0..a7 -> (sum a0, ..., sum a7)
   const __m256 t0 = _mm256_hadd_ps(_mm256_load_ps(t), _mm256_load_ps(t + 8));
   const __m256 t1 = _mm256_hadd_ps(_mm256_load_ps(t + 16), _mm256_load_ps(t + 24));
@@ -353,7 +359,6 @@ static inline __m256 sum8_lanes(const float* t) {  // t: 8 vectors a0..a7 -> (su
 template <int RB>
 static inline void qk_direct(const float* q, int qs, const void* const* krows, int D, int n, float* S, float* T) {
   constexpr int NA = RB <= 6 ? 2 : 1;  // independent FMA chains per row
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int g = 0; g < KT / 8; ++g) {
     if (g * 8 >= n) {
       for (int r = 0; r < RB; ++r) _mm256_store_ps(S + r * KT + g * 8, _mm256_setzero_ps());
@@ -371,9 +376,8 @@ static inline void qk_direct(const float* q, int qs, const void* const* krows, i
 #pragma GCC unroll 2
         for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
       for (int c = 0; c * 16 < D; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + c * 16));
-        const __m256 ke = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 ko = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+        __m256 ke, ko;
+        split_bf16x16(k + c * 16, &ke, &ko);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r) {
           const float* qc = q + r * qs + c * 16;
@@ -435,14 +439,14 @@ struct DecodeOps {
     (void)ntok;
     float* q = static_cast<float*>(s.q);
     const uint16_t* src = static_cast<const uint16_t*>(p.q);
-    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int r = 0; r < R; ++r) {
       const uint16_t* row = src + (tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh;
       float* dst = q + static_cast<int64_t>(r) * p.Dp;
       for (int c = 0; c * 16 < p.D; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16));
-        _mm256_store_ps(dst + c * 16, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-        _mm256_store_ps(dst + c * 16 + 8, _mm256_castsi256_ps(_mm256_and_si256(v, hi)));
+        __m256 even, odd;
+        split_bf16x16(row + c * 16, &even, &odd);
+        _mm256_store_ps(dst + c * 16, even);
+        _mm256_store_ps(dst + c * 16 + 8, odd);
       }
     }
   }

@@ -182,13 +182,6 @@ __attribute__((target("avx2"))) int64_t argmax_avx2(const float* x, int64_t n) {
 
 enum ArgmaxIsa { kArgmaxScalar = 0, kArgmaxAvx2 = 1, kArgmaxAvx512 = 2 };
 
-int best_argmax_isa() {
-  static const int isa = __builtin_cpu_supports("avx512f") ? kArgmaxAvx512
-                         : __builtin_cpu_supports("avx2") ? kArgmaxAvx2
-                                                          : kArgmaxScalar;
-  return isa;
-}
-
 int64_t argmax_row(int isa, const float* x, int64_t n) {
   switch (isa) {
     case kArgmaxAvx512: return argmax_avx512(x, n);
@@ -199,14 +192,21 @@ int64_t argmax_row(int isa, const float* x, int64_t n) {
 
 }  // namespace
 
+int64_t argmax_best_isa() {
+  static const int isa = __builtin_cpu_supports("avx512f") ? kArgmaxAvx512
+                         : __builtin_cpu_supports("avx2") ? kArgmaxAvx2
+                                                          : kArgmaxScalar;
+  return isa;
+}
+
 torch::Tensor argmax_rows(const torch::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(),
               "argmax_rows: x must be a float32 CPU matrix with contiguous rows");
   const int64_t R = x.size(0), V = x.size(1), ld = x.stride(0);
   TORCH_CHECK(V > 0, "argmax_rows: rows must not be empty");
-  const int best = best_argmax_isa();
+  const int64_t best = argmax_best_isa();
   TORCH_CHECK(isa <= best, "argmax_rows: path ", isa, " is not supported on this CPU (best: ", best, ")");
-  const int path = isa < 0 ? best : static_cast<int>(isa);
+  const int path = static_cast<int>(isa < 0 ? best : isa);
   torch::Tensor out = torch::empty({R}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
@@ -217,7 +217,6 @@ torch::Tensor argmax_rows(const torch::Tensor& x, int64_t isa) {
   return out;
 }
 
-int64_t argmax_best_isa() { return best_argmax_isa(); }
 
 torch::Tensor sampling_thresholds(const torch::Tensor& e, const torch::Tensor& top_k, const torch::Tensor& top_p) {
   TORCH_CHECK(e.dim() == 2 && e.scalar_type() == at::kFloat && e.is_contiguous() && e.device().is_cpu(),
