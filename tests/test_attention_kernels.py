@@ -9,6 +9,10 @@ runs the same tile code on a software model of the tiles.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -22,7 +26,14 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 pytestmark = pytest.mark.skipif(not NATIVE, reason="native extension unavailable (no compiler/ninja, or CPUSERVE_NATIVE=0)")
 
 
+# "vec512" runs with its bf16 products pinned to dpbf16, "vec512_fma" to FMAs on widened bf16: the
+# kernel picks one per CPU (attention.cpp, bf16_with_fma), and both must match the reference.
+def _base(isa: str) -> str:
+    return "vec512" if isa == "vec512_fma" else isa
+
+
 def _need(isa: str) -> None:
+    isa = _base(isa)
     if isa == "amx_emu":
         if isa not in COMPILED:
             pytest.skip("amx_emu needs AVX-512 BF16")
@@ -85,10 +96,15 @@ def run_both(isa, query, kv, meta, D, kv_cache_dtype, k_scale, v_scale):
     expected = torch.empty(query.shape, dtype=query.dtype)
     ops.paged_attention("ref", query, kv, meta, scale, kv_cache_dtype, k_scale, v_scale, expected)
     got = torch.full(query.shape, float("nan"), dtype=query.dtype)
-    if isa == "amx_emu":
-        native.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, k_scale, v_scale, got)
-    else:
-        ops.paged_attention(isa, query, kv, meta, scale, kv_cache_dtype, k_scale, v_scale, got)
+    ext = native._ext()
+    ext.attention_set_bf16_dot("fma" if isa == "vec512_fma" else "dpbf16")
+    try:
+        if isa == "amx_emu":
+            native.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, k_scale, v_scale, got)
+        else:
+            ops.paged_attention(_base(isa), query, kv, meta, scale, kv_cache_dtype, k_scale, v_scale, got)
+    finally:
+        ext.attention_set_bf16_dot("auto")
     return got, expected
 
 
@@ -107,10 +123,10 @@ def assert_close(got, expected):
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256"])
 def test_paged_attention_matches_ref(isa, dtype, kv_cache_dtype, head_size, gqa, block_size):
     _need(isa)
-    if not native.supports(isa, dtype, block_size, head_size, kv_cache_dtype):
+    if not native.supports(_base(isa), dtype, block_size, head_size, kv_cache_dtype):
         pytest.skip(f"{isa} does not serve {dtype} models")
     Hkv = 2
     cache_dtype = FP8.get(kv_cache_dtype, dtype)
@@ -122,7 +138,7 @@ def test_paged_attention_matches_ref(isa, dtype, kv_cache_dtype, head_size, gqa,
 
 @pytest.mark.parametrize("head_size", [80, 96])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256", "amx_emu"])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256", "amx_emu"])
 def test_other_head_sizes(isa, dtype, head_size):
     _need(isa)
     if isa.startswith("amx") and dtype != torch.bfloat16:
@@ -134,7 +150,7 @@ def test_other_head_sizes(isa, dtype, head_size):
 
 @pytest.mark.parametrize("head_size", [64, 80, 128])
 @pytest.mark.parametrize("gqa", [2, 4, 7, 8, 16])
-@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256"])
 def test_gqa_group_sizes(isa, gqa, head_size):
     """Decode groups of 2-16 query rows per kv head (vec512 and vec256 read the cache directly up to
     8 rows, then through tiles) and a 2-token chunk (rows from two positions)."""
@@ -160,12 +176,12 @@ def test_amx_tile_code_emulated(gqa, kv_cache_dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("num_threads", [1, 2, 5])
-@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256"])
 def test_thread_counts_and_context_splits(isa, num_threads, dtype, threads):
     """Few long requests are split across threads (flash decoding) and merged; the
     result must not depend on the thread count."""
     _need(isa)
-    if not native.supports(isa, dtype, 16, 64, "auto"):
+    if not native.supports(_base(isa), dtype, 16, 64, "auto"):
         pytest.skip(f"{isa} does not serve {dtype} models")
     threads(num_threads)
     for q_seq in ([(1, 2000)], [(1, 129), (1, 1000)], [(3, 900)], [(1, 7), (40, 40)]):
@@ -175,18 +191,18 @@ def test_thread_counts_and_context_splits(isa, num_threads, dtype, threads):
 
 
 @pytest.mark.parametrize("block_size", [8, 48, 64])
-@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256"])
 def test_other_block_sizes(isa, block_size):
     """Key tiles of 32 straddle or split blocks of any size."""
     _need(isa)
-    if not native.supports(isa, torch.bfloat16, block_size, 64, "auto"):
+    if not native.supports(_base(isa), torch.bfloat16, block_size, 64, "auto"):
         pytest.skip(f"{isa} does not take block size {block_size}")
     query, kv, meta = make_case(MIXED, 6, 2, 64, block_size, torch.bfloat16, torch.bfloat16, seed=block_size)
     got, expected = run_both(isa, query, kv, meta, 64, "auto", 1.0, 1.0)
     assert_close(got, expected)
 
 
-@pytest.mark.parametrize("isa", ["amx", "vec512", "vec256"])
+@pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256"])
 def test_extreme_scores_stay_finite(isa):
     """Large logits exercise the online-softmax rescaling (running max moving far)."""
     _need(isa)
@@ -318,6 +334,21 @@ def test_available_isas_match_cpu():
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags:
         assert "vec512" in NATIVE
     assert ("amx" in NATIVE) == bool("vec512" in NATIVE and native._ext().cpu_has_amx())
+
+
+@pytest.mark.parametrize("mode", ["dpbf16", "fma"])
+def test_bf16_dot_override(mode):
+    """CPUSERVE_ATTN_BF16_DOT pins vec512's bf16 path (read once per process, so in a fresh one);
+    without it the kernel reports which one its timing picked."""
+    _need("vec512")
+    code = "from engine.attention.kernels import native; print(native._ext().attention_bf16_dot())"
+    env = {**os.environ, "CPUSERVE_ATTN_BF16_DOT": mode}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == mode
+    assert native._ext().attention_bf16_dot() in ("dpbf16", "fma")
+    with pytest.raises(RuntimeError, match="must be auto, dpbf16 or fma"):
+        native._ext().attention_set_bf16_dot("amx")
 
 
 def test_bad_arguments_raise():

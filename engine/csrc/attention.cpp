@@ -213,6 +213,24 @@ int amx_min_rows() {
   return v;
 }
 
+// vec512 with a bf16 model: dpbf16 (Bf16DecodeOps, Bf16Ops) or FMAs on bf16 widened to fp32
+// (Bf16FmaDecodeOps; F32Ops's tiles for larger units over a bf16 cache).  Two FMAs do a dpbf16's
+// 32 multiply-adds, so FMAs win where a dpbf16 costs more than ~2 FMAs.  Chosen by timing both
+// once (v512::dpbf16_fma_time_ratio); CPUSERVE_ATTN_BF16_DOT=dpbf16|fma overrides, and tests pin
+// one with attention_set_bf16_dot.
+int g_forced_bf16_dot = -1;
+
+bool bf16_with_fma() {
+  if (g_forced_bf16_dot >= 0) return g_forced_bf16_dot == 1;
+  static const bool fma = [] {
+    const char* e = std::getenv("CPUSERVE_ATTN_BF16_DOT");
+    if (e && std::string(e) == "dpbf16") return false;
+    if (e && std::string(e) == "fma") return true;
+    return v512::dpbf16_fma_time_ratio() > 2.0;
+  }();
+  return fma;
+}
+
 UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
   const bool bf16 = p.model_bf16;
   switch (isa) {
@@ -231,7 +249,9 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
       break;
   }
   if (!bf16) return &run_unit<v512::F32Ops>;
-  return R <= v512::Bf16DecodeOps::kMaxRows ? &run_unit<v512::Bf16DecodeOps> : &run_unit<v512::Bf16Ops>;
+  const bool fma = bf16_with_fma();
+  if (R <= v512::Bf16DecodeOps::kMaxRows) return fma ? &run_unit<v512::Bf16FmaDecodeOps> : &run_unit<v512::Bf16DecodeOps>;
+  return fma && p.kv_kind == KvKind::kSame ? &run_unit<v512::F32Ops> : &run_unit<v512::Bf16Ops>;
 }
 
 struct Merge {
@@ -435,6 +455,18 @@ std::vector<std::string> attention_isas() {
     if (CPUSERVE_HAVE_AMX && cpu_has_amx()) out.push_back("amx");
   }
   return out;
+}
+
+std::string attention_bf16_dot() {
+  using namespace cpuserve_attn;
+  if (!cpu_has_vec512()) return "none";
+  return bf16_with_fma() ? "fma" : "dpbf16";
+}
+
+void attention_set_bf16_dot(const std::string& mode) {
+  using namespace cpuserve_attn;
+  TORCH_CHECK(mode == "auto" || mode == "dpbf16" || mode == "fma", "bf16 dot mode must be auto, dpbf16 or fma");
+  g_forced_bf16_dot = mode == "auto" ? -1 : mode == "fma" ? 1 : 0;
 }
 
 // ------------------------------------------------------------------ KV-cache writes

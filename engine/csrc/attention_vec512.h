@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -123,6 +124,9 @@ static inline __m128i fp8x16_from_ps(__m512 f, KvKind kind) {
   return _mm512_cvtepi32_epi8(r);
 }
 
+// 16 bf16 -> 16 fp32 (exact: a bf16 is the top half of an fp32).
+static inline __m512 widen_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
 static void store_fp8_row(const void* src, bool src_bf16, uint8_t* dst, int D, float scale, KvKind kind) {
   const __m512 sc = _mm512_set1_ps(scale);
   for (int d = 0; d < D; d += 16) {
@@ -130,7 +134,7 @@ static void store_fp8_row(const void* src, bool src_bf16, uint8_t* dst, int D, f
     __m512 x;
     if (src_bf16) {
       const __m256i h = _mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(src) + d);
-      x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      x = widen_bf16x16(h);
     } else {
       x = _mm512_maskz_loadu_ps(mk, static_cast<const float*>(src) + d);
     }
@@ -573,6 +577,149 @@ struct Bf16DecodeOps {
   }
 };
 
+// bf16 model and cache, few query rows, fp32 FMAs instead of dpbf16.  On cores whose dpbf16 is
+// several uops (Intel's without AMX in use: one per ~2.2 cycles against two FMAs a cycle, while
+// AMD's Zen 4 / 5 run it as fast as an FMA) two FMAs on bf16 widened in registers do the same 32
+// multiply-adds in less time.  attention.cpp picks this or Bf16DecodeOps by timing both
+// instructions once.  Same reads as Bf16DecodeOps: K and V rows straight from the cache.
+
+// 16 bf16 pairs -> fp32 of each pair's first (*lo) and second (*hi) value.
+static inline void split_bf16_pairs(__m512i t, __m512* lo, __m512* hi) {
+  *lo = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+  *hi = _mm512_castsi512_ps(_mm512_and_si512(t, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// S[r][0, KT) for RB rows of an fp32 query (qs floats apart, zero past D): 16 keys' rows
+// transposed as bf16 pairs (as qk_direct_bf16), each pair split into two fp32 vectors, one FMA
+// per vector against the broadcast query value.
+template <int RB>
+static inline void qk_direct_fma(const float* q, int qs, const void* const* krows, int D, int n, float* S) {
+  constexpr int NS = RB >= 7 ? 1 : RB >= 4 ? 2 : RB >= 2 ? 4 : 8;  // FMA chains per row (~8 in flight)
+  for (int h = 0; h < KT / 16; ++h) {
+    if (h * 16 >= n) {
+      for (int r = 0; r < RB; ++r) _mm512_store_ps(S + r * KT + h * 16, _mm512_setzero_ps());
+      continue;
+    }
+    __m512 acc[RB][NS];
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+      for (int i = 0; i < NS; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int c = 0; c * 32 < D; ++c) {
+      const __mmask32 mk = mask32(D - c * 32);
+      __m512i t[16];
+      if (h * 16 + 16 <= n) {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i)
+          t[i] = _mm512_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(krows[h * 16 + i]) + c * 32);
+      } else {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          const uint16_t* row = static_cast<const uint16_t*>(krows[h * 16 + i]);
+          t[i] = h * 16 + i < n ? _mm512_maskz_loadu_epi16(mk, row + c * 32) : _mm512_setzero_si512();
+        }
+      }
+      transpose16(t);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        __m512 lo, hi;
+        split_bf16_pairs(t[j], &lo, &hi);
+        const int d = c * 32 + 2 * j;
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) {
+          acc[r][(2 * j) % NS] = _mm512_fmadd_ps(lo, _mm512_set1_ps(q[r * qs + d]), acc[r][(2 * j) % NS]);
+          acc[r][(2 * j + 1) % NS] = _mm512_fmadd_ps(hi, _mm512_set1_ps(q[r * qs + d + 1]), acc[r][(2 * j + 1) % NS]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      __m512 sum = acc[r][0];
+#pragma GCC unroll 8
+      for (int i = 1; i < NS; ++i) sum = _mm512_add_ps(sum, acc[r][i]);
+      _mm512_store_ps(S + r * KT + h * 16, sum);
+    }
+  }
+}
+
+// O[:, d0 : d0 + 16 NV] = O * alpha + P V for RB rows of fp32 P, V rows widened in registers.
+template <int RB, int NV>
+static inline void pv_direct_fma_pass(const float* P, const void* const* vrows, int d0, int Dp, int n, float* O,
+                                      const float* alpha) {
+  __m512 acc[RB][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(O + r * Dp + d0 + 16 * c), a);
+  }
+  for (int j = 0; j < n; ++j) {
+    const uint16_t* v = static_cast<const uint16_t*>(vrows[j]) + d0;
+    __m512 vv[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) vv[c] = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m512 pb = _mm512_set1_ps(P[r * KT + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + d0 + 16 * c, acc[r][c]);
+}
+
+template <int RB>
+static inline void pv_direct_fma(const float* P, const void* const* vrows, int D, int Dp, int n, float* O, const float* alpha) {
+  constexpr int NV = RB <= 6 ? 4 : 2;  // RB x NV accumulators + NV values fit the 32 registers
+  int d0 = 0;
+  for (; d0 + 16 * NV <= D; d0 += 16 * NV) pv_direct_fma_pass<RB, NV>(P, vrows, d0, Dp, n, O, alpha);
+  for (; d0 < D; d0 += 16) pv_direct_fma_pass<RB, 1>(P, vrows, d0, Dp, n, O, alpha);
+}
+
+struct Bf16FmaDecodeOps {
+  static constexpr int kMaxRows = Bf16DecodeOps::kMaxRows;
+  static void begin(const AttnParams&, Scratch&, int) {}
+  static void end() {}
+
+  __attribute__((noinline)) static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    (void)ntok;
+    float* q = static_cast<float*>(s.q);
+    const uint16_t* src = static_cast<const uint16_t*>(p.q);
+    for (int r = 0; r < R; ++r) {
+      float* dst = q + static_cast<int64_t>(r) * p.Dp;
+      const uint16_t* row = src + (tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh;
+      for (int d0 = 0; d0 < p.Dp; d0 += 16) {  // zero past D: the last 32-wide K chunk may reach there
+        _mm512_store_ps(dst + d0, widen_bf16x16(_mm256_maskz_loadu_epi16(mask16(p.D - d0), row + d0)));
+      }
+    }
+  }
+
+  static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
+    Bf16DecodeOps::prep_kv(p, s, bt_row, kvh, k0, n);
+  }
+
+  __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
+    const float* q = static_cast<const float*>(s.q);
+    with_rows_upto8(R, [&](auto rb) { qk_direct_fma<decltype(rb)::value>(q, p.Dp, s.krows, p.D, n, s.S); });
+  }
+
+  __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
+    softmax_tile<false>(p, s, R, k0, n, masked);
+  }
+
+  __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
+    const float* P = static_cast<const float*>(s.P);
+    with_rows_upto8(R, [&](auto rb) { pv_direct_fma<decltype(rb)::value>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
+  }
+
+  static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    Bf16Ops::store(p, s, tok, ntok, kvh, R);
+  }
+};
+
 // ---------------------------------------------------------------- fp32 model dtype
 
 template <int RB>
@@ -642,6 +789,7 @@ struct F32Ops {
 
   __attribute__((noinline)) static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
     (void)ntok;
+    if (p.model_bf16) return Bf16FmaDecodeOps::load_q(p, s, tok, ntok, kvh, R);
     float* q = static_cast<float*>(s.q);
     const float* src = static_cast<const float*>(p.q);
     for (int r = 0; r < R; ++r) {
@@ -665,7 +813,15 @@ struct F32Ops {
         continue;
       }
       const uint8_t* base = rows[i];
-      if (p.kv_kind == KvKind::kSame) {
+      if (p.kv_kind == KvKind::kSame && p.model_bf16) {  // widened to fp32
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(base);
+        float* kd = static_cast<float*>(s.krow) + i * Dp;
+        for (int d0 = 0; d0 < Dp; d0 += 16) {
+          _mm512_store_ps(kd + d0, widen_bf16x16(_mm256_maskz_loadu_epi16(mask16(D - d0), row + d0)));
+          _mm512_store_ps(vd + d0, widen_bf16x16(_mm256_maskz_loadu_epi16(mask16(D - d0), row + D + d0)));
+        }
+        krows[i] = kd;
+      } else if (p.kv_kind == KvKind::kSame) {
         const float* row = reinterpret_cast<const float*>(base);
         krows[i] = row;
         for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_maskz_loadu_ps(mask16(D - d0), row + D + d0));
@@ -737,7 +893,7 @@ struct F32Ops {
   }
 
   __attribute__((noinline)) static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
-    (void)ntok;
+    if (p.model_bf16) return Bf16Ops::store(p, s, tok, ntok, kvh, R);
     float* out = static_cast<float*>(p.out);
     for (int r = 0; r < R; ++r) {
       float* dst = out + (tok + r / p.G) * p.o_st + (kvh * p.G + r % p.G) * p.o_sh;
@@ -747,6 +903,38 @@ struct F32Ops {
     }
   }
 };
+
+// Time of one dpbf16 over one FMA on this core, each in 12 independent chains (throughput,
+// not latency), best of 5 alternating runs of 24k instructions: ~0.1 ms, once per process.
+// ~1 on AMD Zen 4 / 5; ~4.4 on a Sapphire Rapids-class Xeon whose AMX is not in use.
+template <bool DP>
+__attribute__((noinline)) static double time_dot_chains() {
+  __m512 a[12];
+  for (auto& x : a) x = _mm512_setzero_ps();
+  __m512bh b = (__m512bh)_mm512_set1_epi16(0x3a00);  // 2^-11: the sums stay finite
+  __m512 f = _mm512_set1_ps(1.0f / 2048);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 2000; ++i) {
+#pragma GCC unroll 12
+    for (int k = 0; k < 12; ++k) a[k] = DP ? _mm512_dpbf16_ps(a[k], b, b) : _mm512_fmadd_ps(a[k], f, f);
+    __asm__ volatile("" : "+v"(b), "+v"(f));
+  }
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  __m512 sum = a[0];
+  for (int k = 1; k < 12; ++k) sum = _mm512_add_ps(sum, a[k]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return t;
+}
+
+static double dpbf16_fma_time_ratio() {
+  double dp = 1e30, fma = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    dp = std::min(dp, time_dot_chains<true>());
+    fma = std::min(fma, time_dot_chains<false>());
+  }
+  return dp / std::max(fma, 1e-12);
+}
 
 }  // namespace v512
 }  // namespace cpuserve_attn

@@ -4,7 +4,10 @@ ISAs (``engine/csrc/attention.cpp``):
 
 * ``vec256``: AVX2 + FMA + F16C, fp32 arithmetic (bf16 and fp8 widened on load).
 * ``vec512``: AVX-512 F/BW/VL/DQ + AVX512_BF16: bf16 dot products with ``vdpbf16ps``
-  (fp32 accumulation) for bf16 models, fp32 FMAs for fp32 models.
+  (fp32 accumulation) for bf16 models, fp32 FMAs for fp32 models.  Where ``vdpbf16ps``
+  is slow (Intel cores without AMX in use: one per ~2 cycles against two FMAs a cycle),
+  bf16 models take fp32 FMAs on bf16 widened in registers instead; the kernel times
+  both instructions once per process (``CPUSERVE_ATTN_BF16_DOT=dpbf16|fma`` overrides).
 * ``amx``: AMX-BF16 tiles for Q K^T and P V (prefill tiles and decode GQA groups),
   bf16 models only; needs Sapphire Rapids or later and Linux's AMX permission.
   Work units of fewer than 4 query rows (``CPUSERVE_ATTN_AMX_MIN_ROWS``; decode of a
