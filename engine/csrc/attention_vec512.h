@@ -430,12 +430,25 @@ struct Bf16Ops {
 // Few query rows (decode: one token's GQA group, R <= 8).  Storing transposed K and
 // interleaved V tiles costs more than the dot products when only a handful of rows
 // reuse them, so these read the cache rows directly and transpose / interleave in
-// registers right before the dpbf16s.
-template <int RB>
-static inline void qk_direct_bf16(const int32_t* q, int qs, const void* const* krows, int D, int n, float* S) {
-  // NS partial sums per row: with few rows, one accumulator per row is a chain of 2D/2 dependent
-  // dpbf16s, latency- not throughput-bound; ~12 independent chains keep both FMA pipes busy.
-  constexpr int NS = RB >= 7 ? 1 : RB >= 5 ? 2 : RB == 4 ? 3 : 4;
+// registers right before the dpbf16s (or FMAs: Bf16FmaDecodeOps below).
+
+// 16 bf16 pairs -> fp32 of each pair's first (*lo) and second (*hi) value.
+static inline void split_bf16_pairs(__m512i t, __m512* lo, __m512* hi) {
+  *lo = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+  *hi = _mm512_castsi512_ps(_mm512_and_si512(t, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// S[r][0, KT) for RB query rows against up to KT keys' rows read in place: per 16 keys and 32
+// dims, the rows are transposed in registers as bf16 pairs, then each pair meets the broadcast
+// query either in one dpbf16 (q: bf16 pairs, qs pairs apart) or, kFma, split into two fp32
+// vectors, one FMA each (q: fp32, qs floats apart, zero past D).
+template <int RB, bool kFma>
+static inline void qk_direct(const void* qv, int qs, const void* const* krows, int D, int n, float* S) {
+  // NS partial sums per row: with few rows, one accumulator per row is a chain of dependent
+  // dpbf16s / FMAs, latency- not throughput-bound; ~8-12 independent chains keep both pipes busy.
+  constexpr int NS = kFma ? (RB >= 7 ? 1 : RB >= 4 ? 2 : RB >= 2 ? 4 : 8) : (RB >= 7 ? 1 : RB >= 5 ? 2 : RB == 4 ? 3 : 4);
+  const int32_t* q2 = static_cast<const int32_t*>(qv);
+  const float* qf = static_cast<const float*>(qv);
   for (int h = 0; h < KT / 16; ++h) {
     if (h * 16 >= n) {
       for (int r = 0; r < RB; ++r) _mm512_store_ps(S + r * KT + h * 16, _mm512_setzero_ps());
@@ -444,7 +457,7 @@ static inline void qk_direct_bf16(const int32_t* q, int qs, const void* const* k
     __m512 acc[RB][NS];
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < NS; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int c = 0; c * 32 < D; ++c) {
       const __mmask32 mk = mask32(D - c * 32);
@@ -463,15 +476,26 @@ static inline void qk_direct_bf16(const int32_t* q, int qs, const void* const* k
       transpose16(t);
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
+        if constexpr (kFma) {
+          __m512 lo, hi;
+          split_bf16_pairs(t[j], &lo, &hi);
+          const int d = c * 32 + 2 * j;
 #pragma GCC unroll 8
-        for (int r = 0; r < RB; ++r)
-          acc[r][j % NS] = _mm512_dpbf16_ps(acc[r][j % NS], (__m512bh)t[j], (__m512bh)_mm512_set1_epi32(q[r * qs + c * 16 + j]));
+          for (int r = 0; r < RB; ++r) {
+            acc[r][(2 * j) % NS] = _mm512_fmadd_ps(lo, _mm512_set1_ps(qf[r * qs + d]), acc[r][(2 * j) % NS]);
+            acc[r][(2 * j + 1) % NS] = _mm512_fmadd_ps(hi, _mm512_set1_ps(qf[r * qs + d + 1]), acc[r][(2 * j + 1) % NS]);
+          }
+        } else {
+#pragma GCC unroll 8
+          for (int r = 0; r < RB; ++r)
+            acc[r][j % NS] = _mm512_dpbf16_ps(acc[r][j % NS], (__m512bh)t[j], (__m512bh)_mm512_set1_epi32(q2[r * qs + c * 16 + j]));
+        }
       }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       __m512 sum = acc[r][0];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 1; i < NS; ++i) sum = _mm512_add_ps(sum, acc[r][i]);
       _mm512_store_ps(S + r * KT + h * 16, sum);
     }
@@ -560,7 +584,7 @@ struct Bf16DecodeOps {
   __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
     const int32_t* q = static_cast<const int32_t*>(s.q);
     const int qs = p.Dp / 2;
-    with_rows_upto8(R, [&](auto rb) { qk_direct_bf16<decltype(rb)::value>(q, qs, s.krows, p.D, n, s.S); });
+    with_rows_upto8(R, [&](auto rb) { qk_direct<decltype(rb)::value, false>(q, qs, s.krows, p.D, n, s.S); });
   }
 
   static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
@@ -582,65 +606,6 @@ struct Bf16DecodeOps {
 // AMD's Zen 4 / 5 run it as fast as an FMA) two FMAs on bf16 widened in registers do the same 32
 // multiply-adds in less time.  attention.cpp picks this or Bf16DecodeOps by timing both
 // instructions once.  Same reads as Bf16DecodeOps: K and V rows straight from the cache.
-
-// 16 bf16 pairs -> fp32 of each pair's first (*lo) and second (*hi) value.
-static inline void split_bf16_pairs(__m512i t, __m512* lo, __m512* hi) {
-  *lo = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
-  *hi = _mm512_castsi512_ps(_mm512_and_si512(t, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// S[r][0, KT) for RB rows of an fp32 query (qs floats apart, zero past D): 16 keys' rows
-// transposed as bf16 pairs (as qk_direct_bf16), each pair split into two fp32 vectors, one FMA
-// per vector against the broadcast query value.
-template <int RB>
-static inline void qk_direct_fma(const float* q, int qs, const void* const* krows, int D, int n, float* S) {
-  constexpr int NS = RB >= 7 ? 1 : RB >= 4 ? 2 : RB >= 2 ? 4 : 8;  // FMA chains per row (~8 in flight)
-  for (int h = 0; h < KT / 16; ++h) {
-    if (h * 16 >= n) {
-      for (int r = 0; r < RB; ++r) _mm512_store_ps(S + r * KT + h * 16, _mm512_setzero_ps());
-      continue;
-    }
-    __m512 acc[RB][NS];
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 8
-      for (int i = 0; i < NS; ++i) acc[r][i] = _mm512_setzero_ps();
-    for (int c = 0; c * 32 < D; ++c) {
-      const __mmask32 mk = mask32(D - c * 32);
-      __m512i t[16];
-      if (h * 16 + 16 <= n) {
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i)
-          t[i] = _mm512_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(krows[h * 16 + i]) + c * 32);
-      } else {
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) {
-          const uint16_t* row = static_cast<const uint16_t*>(krows[h * 16 + i]);
-          t[i] = h * 16 + i < n ? _mm512_maskz_loadu_epi16(mk, row + c * 32) : _mm512_setzero_si512();
-        }
-      }
-      transpose16(t);
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {
-        __m512 lo, hi;
-        split_bf16_pairs(t[j], &lo, &hi);
-        const int d = c * 32 + 2 * j;
-#pragma GCC unroll 8
-        for (int r = 0; r < RB; ++r) {
-          acc[r][(2 * j) % NS] = _mm512_fmadd_ps(lo, _mm512_set1_ps(q[r * qs + d]), acc[r][(2 * j) % NS]);
-          acc[r][(2 * j + 1) % NS] = _mm512_fmadd_ps(hi, _mm512_set1_ps(q[r * qs + d + 1]), acc[r][(2 * j + 1) % NS]);
-        }
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
-      __m512 sum = acc[r][0];
-#pragma GCC unroll 8
-      for (int i = 1; i < NS; ++i) sum = _mm512_add_ps(sum, acc[r][i]);
-      _mm512_store_ps(S + r * KT + h * 16, sum);
-    }
-  }
-}
 
 // O[:, d0 : d0 + 16 NV] = O * alpha + P V for RB rows of fp32 P, V rows widened in registers.
 template <int RB, int NV>
@@ -703,7 +668,7 @@ struct Bf16FmaDecodeOps {
 
   __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
     const float* q = static_cast<const float*>(s.q);
-    with_rows_upto8(R, [&](auto rb) { qk_direct_fma<decltype(rb)::value>(q, p.Dp, s.krows, p.D, n, s.S); });
+    with_rows_upto8(R, [&](auto rb) { qk_direct<decltype(rb)::value, true>(q, p.Dp, s.krows, p.D, n, s.S); });
   }
 
   __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
