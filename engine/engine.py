@@ -87,7 +87,8 @@ class LLMEngine:
         _release_freed_memory()
         self.load_time_s = time.monotonic() - t0
         logger.info(
-            "engine ready in %.1fs: %s, %d layers, dtype %s, KV cache %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
+            "engine ready in %.1fs: %s, %d layers, dtype %s, KV cache %d blocks x %d tokens = %d tokens (%.2f GiB, %s), "
+            "attention kernels %s",
             self.load_time_s,
             self.model_name,
             self.model_config.num_hidden_layers,
@@ -97,6 +98,7 @@ class LLMEngine:
             num_blocks * config.cache.block_size,
             num_blocks * self._block_bytes() / 2**30,
             config.cache.kv_cache_dtype,
+            self.runner.attention_kernels(),
         )
 
     # --- set-up -------------------------------------------------------------------------

@@ -80,6 +80,11 @@ class ModelRunner:
             target = layer.kv_sharing_target_layer_name
             layer.kv_cache = by_name[target].kv_cache if target else cache
 
+    def attention_kernels(self) -> str:
+        """The attention kernel path the layers run, for the start-up log."""
+        layers = self.model.attention_layers()
+        return layers[0].impl.describe() if layers else "none"
+
     # --- one step -----------------------------------------------------------------------
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, CPUAttentionMetadata, list[int]]:

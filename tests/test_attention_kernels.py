@@ -351,6 +351,18 @@ def test_bf16_dot_override(mode):
         native._ext().attention_set_bf16_dot("amx")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_describe_names_the_path(dtype):
+    """The start-up log's attention path: the ISA, plus vec512's bf16 choice for bf16 models."""
+    impl = CPUAttentionBackendImpl(9, 64, 0.125, 3, "auto", 16, dtype)
+    text = impl.describe()
+    assert text.startswith(impl.isa)
+    if impl.isa == "vec512" and dtype == torch.bfloat16:
+        assert text == f"vec512 (bf16 products: {native._ext().attention_bf16_dot()})"
+    else:
+        assert text == impl.isa
+
+
 def test_bad_arguments_raise():
     isa = sorted(NATIVE)[0]
     query, kv, meta = make_case([(1, 40)], 4, 2, 64, 16, torch.bfloat16, torch.bfloat16)

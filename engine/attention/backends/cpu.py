@@ -108,6 +108,10 @@ class CPUAttentionBackendImpl:
         self.model_dtype = model_dtype
         self.isa = _get_attn_isa(model_dtype, block_size, head_size, kv_cache_dtype)
 
+    def describe(self) -> str:
+        """The kernel path, for the start-up log (``ref``, ``vec512 (bf16 products: fma)``, ...)."""
+        return ops.describe(self.isa, self.model_dtype)
+
     def do_kv_cache_update(
         self,
         layer: torch.nn.Module,

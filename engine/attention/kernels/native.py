@@ -70,6 +70,15 @@ def available_isas() -> frozenset[str]:
     return frozenset(isas)
 
 
+def describe(isa: str, dtype: torch.dtype) -> str:
+    """The kernel path for logs: the ISA, and for vec512 with a bf16 model how it multiplies bf16
+    ("dpbf16" or "fma": the extension times both instructions once, on this call if not before)."""
+    ext = _ext()
+    if isa == "vec512" and dtype == torch.bfloat16 and ext is not None and hasattr(ext, "attention_bf16_dot"):
+        return f"vec512 (bf16 products: {ext.attention_bf16_dot()})"
+    return isa
+
+
 def supports(isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> bool:
     if isa not in _BLOCK_MULTIPLE:
         return False

@@ -39,6 +39,11 @@ def native_isas() -> frozenset[str]:
     return native.available_isas()
 
 
+def describe(isa: str, dtype: torch.dtype) -> str:
+    """``isa`` as the logs show it (native ISAs add how they multiply, where that varies by CPU)."""
+    return isa if isa == "ref" else native.describe(isa, dtype)
+
+
 def forced_isa_ceiling() -> str:
     """``CPUSERVE_ATTN_ISA`` (amx/vec512/vec256/ref): the highest ISA selection may pick (benchmarks, tests)."""
     forced = os.environ.get("CPUSERVE_ATTN_ISA", "").strip().lower()
