@@ -67,11 +67,12 @@ def route_every_batch_to_rows_int8(engine: LLMEngine) -> None:
 VARIANTS = [
     Variant("bf16, dense weights", "bfloat16", "none"),
     # The default: 16-bit activations up to 4 rows (every decode step here), int8 above, the
-    # row-int8 copies from 20 rows (the prompts).
-    Variant("bf16, packed Q4/Q8 blocks (default: a16 <= 4 rows, int8 above, row-int8 from 20)", "bfloat16", "auto"),
-    # What batches of 5-19 rows get by default (and every large batch with --large-batch-matmul int8).
+    # row-int8 copies from the batch size timed at load (6-20 rows: the prompts).
+    Variant("bf16, packed Q4/Q8 blocks (default: a16 <= 4 rows, int8 above, row-int8 from the timed switch)", "bfloat16", "auto"),
+    # What batches of 5 rows up to the row-int8 switch get by default (and every large batch with
+    # --large-batch-matmul int8).
     Variant("bf16, packed blocks, int8 activations everywhere", "bfloat16", "auto", env={"CPUSERVE_PACKED_ACT_BITS": "8"}),
-    # What batches of 20 rows or more get by default.
+    # What batches from the row-int8 switch on get by default.
     Variant("bf16, row-int8 copies everywhere", "bfloat16", "auto", every_batch_on_rows_int8=True),
     Variant("bf16, packed blocks, fp8 e4m3 KV cache", "bfloat16", "auto", "fp8_e4m3"),
     Variant("fp32, packed blocks, 16-bit activations", "float32", "auto"),

@@ -145,6 +145,10 @@ class LLMEngine:
             rows_int8=rows_int8,
         )
         if stats["packed"] or stats["quantized"]:
+            if rows_int8:  # before binding: the native layers copy each projection's routing
+                from engine.layers.linear import Linear
+
+                quant.tune_rows_int8_min_rows([m for m in self.runner.model.modules() if isinstance(m, Linear)])
             native_layers = self.runner.model.bind_packed_layers()
             large = "dense"
             if large_int8:

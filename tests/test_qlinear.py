@@ -506,6 +506,35 @@ def test_linear_routes_large_batches_to_rows_int8():
     assert plain.rows_int8 is None
 
 
+def test_rows_int8_switch_is_timed_per_host(monkeypatch):
+    """The Q4 projections' row-int8 switch is set at load from timings on this host (one value for
+    all, from the candidate batch sizes), or pinned by CPUSERVE_ROWS_INT8_MIN_ROWS; the Q8 LM head
+    and projections without a copy keep theirs, and routing follows the new value."""
+    n, k = 48, 128
+
+    def linear(qtype, rows_int8=True):
+        raw = random_blocks(qtype, n, k)
+        lin = Linear(k, n, bias=False, dtype=torch.bfloat16)
+        pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), act_bits=16)
+        assert Q.attach_packed(lin, pw, large_act_bits=8 if rows_int8 else 0, rows_int8=rows_int8)
+        return lin
+
+    q4a, q4b, q8, plain = linear("Q4_1"), linear("Q4_0"), linear("Q8_0"), linear("Q4_1", rows_int8=False)
+    monkeypatch.setenv("CPUSERVE_ROWS_INT8_MIN_ROWS", "12")
+    assert Q.tune_rows_int8_min_rows([q4a, q4b, q8, plain]) == 12
+    assert (q4a.rows_int8_min_rows, q4b.rows_int8_min_rows) == (12, 12)
+    assert q8.rows_int8_min_rows == Q.ROWS_INT8_MIN_ROWS["Q8"] and plain.rows_int8 is None
+    monkeypatch.delenv("CPUSERVE_ROWS_INT8_MIN_ROWS")
+    chosen = Q.tune_rows_int8_min_rows([q4a, q4b, q8, plain], passes=1)
+    assert chosen in Q.ROWS_INT8_CANDIDATES
+    assert (q4a.rows_int8_min_rows, q4b.rows_int8_min_rows) == (chosen, chosen)
+    x = torch.randn(chosen, k, dtype=torch.bfloat16)
+    torch.testing.assert_close(q4a(x), q4a.rows_int8(x, None), atol=0, rtol=0)
+    x = torch.randn(chosen - 1, k, dtype=torch.bfloat16)
+    torch.testing.assert_close(q4a(x), q4a.packed(x, None, 8), atol=0, rtol=0)
+    assert Q.tune_rows_int8_min_rows([q8, plain]) is None
+
+
 @pytest.mark.parametrize("m", [1, 3, 25])  # the packed kernel at 16-bit, at 8-bit activations; row-int8
 def test_float32_out_is_the_unrounded_result(isa, m):
     """Logits ask Linear for float32: every path returns float32 whose bf16 rounding is exactly the

@@ -71,6 +71,12 @@ MAX_ROWS_BEFORE_INT8 = 4
 # 1.05-1.12x at 20, 1.1-1.2x at 32, 1.35-1.45x at 455; the Q8_0 LM head (the copy reads fewer
 # bytes) 1.25x from 8 rows, 1.5x at 32.
 ROWS_INT8_MIN_ROWS = {"Q4": 20, "Q8": 8}
+# Where the Q4 copies start to win depends on the core's integer throughput against its memory
+# bandwidth (the copy reads 1.6x the bytes): ~20 rows on the 2-core AMD Zen 5 above, ~6-8 on a
+# 2-core Intel Xeon (AVX-512 VNNI, 15 GB/s a thread: 1.17-1.25x at 8 rows, 1.3-1.5x at 12-16).
+# So the engine times these batch sizes on the model's own projections at load
+# (tune_rows_int8_min_rows); CPUSERVE_ROWS_INT8_MIN_ROWS pins a value instead.
+ROWS_INT8_CANDIDATES = (6, 8, 12, 16, 20)
 
 # Activation precision inside the kernel: 16 = each 32-block rounded to 15 bits (two int8 digits,
 # twice the integer dot products; error ~3e-5 of the block max, below bf16's own rounding), 8 =
@@ -478,6 +484,53 @@ _MERGED = {
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.down_proj": ("mlp.down_proj",),
 }
+
+
+def tune_rows_int8_min_rows(linears: Sequence["Linear"], passes: int = 3) -> Optional[int]:
+    """Set the Q4 projections' row-int8 switch (``rows_int8_min_rows``) to the fewest rows of
+    :data:`ROWS_INT8_CANDIDATES` from which, at that size and every larger one, the row-int8 copies
+    beat the block kernel with int8 activations on this host; returns it (None: nothing to tune).
+
+    Timed over every given projection in turn, so their weights stream from memory as in a step,
+    best of ``passes`` alternating passes: ~0.2 s at load for the default model.
+    """
+    import time
+
+    tuned = [lin for lin in linears if lin.rows_int8 is not None and lin.large_act_bits and lin.packed.qtype[:2] == "Q4"]
+    if not tuned:
+        return None
+    env = os.environ.get("CPUSERVE_ROWS_INT8_MIN_ROWS")
+    if env:
+        chosen = int(env)
+    else:
+        xs = {}
+        best = {(m, path): float("inf") for m in ROWS_INT8_CANDIDATES for path in ("blocks", "rows")}
+        dtype = tuned[0].weight.dtype
+        for _ in range(passes):
+            for m in ROWS_INT8_CANDIDATES:
+                for path in ("blocks", "rows"):
+                    t0 = time.perf_counter()
+                    for lin in tuned:
+                        x = xs.setdefault((m, lin.in_features), torch.randn(m, lin.in_features).to(dtype))
+                        if path == "rows":
+                            lin.rows_int8(x, lin.bias)
+                        else:
+                            lin.packed(x, lin.bias, lin.large_act_bits)
+                    best[m, path] = min(best[m, path], time.perf_counter() - t0)
+        chosen = ROWS_INT8_MIN_ROWS["Q4"]
+        for m in reversed(ROWS_INT8_CANDIDATES):  # the fewest rows from which the copies keep winning
+            if best[m, "rows"] >= best[m, "blocks"]:
+                break
+            chosen = m
+        logger.info(
+            "row-int8 copies from %d rows (row-int8 / block kernel time at %s rows: %s)",
+            chosen,
+            "/".join(map(str, ROWS_INT8_CANDIDATES)),
+            " ".join(f"{best[m, 'rows'] / best[m, 'blocks']:.2f}" for m in ROWS_INT8_CANDIDATES),
+        )
+    for lin in tuned:
+        lin.rows_int8_min_rows = chosen
+    return chosen
 
 
 def attach_gguf_weights(
