@@ -503,15 +503,15 @@ def tune_rows_int8_min_rows(linears: Sequence["Linear"], passes: int = 3) -> Opt
     if env:
         chosen = int(env)
     else:
-        xs = {}
-        best = {(m, path): float("inf") for m in ROWS_INT8_CANDIDATES for path in ("blocks", "rows")}
         dtype = tuned[0].weight.dtype
+        xs = {(m, k): torch.randn(m, k).to(dtype) for m in ROWS_INT8_CANDIDATES for k in {lin.in_features for lin in tuned}}
+        best = {(m, path): float("inf") for m in ROWS_INT8_CANDIDATES for path in ("blocks", "rows")}
         for _ in range(passes):
             for m in ROWS_INT8_CANDIDATES:
                 for path in ("blocks", "rows"):
                     t0 = time.perf_counter()
                     for lin in tuned:
-                        x = xs.setdefault((m, lin.in_features), torch.randn(m, lin.in_features).to(dtype))
+                        x = xs[m, lin.in_features]
                         if path == "rows":
                             lin.rows_int8(x, lin.bias)
                         else:
