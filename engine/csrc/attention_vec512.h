@@ -607,22 +607,21 @@ struct Bf16DecodeOps {
 // multiply-adds in less time.  attention.cpp picks this or Bf16DecodeOps by timing both
 // instructions once.  Same reads as Bf16DecodeOps: K and V rows straight from the cache.
 
-// O[:, d0 : d0 + 16 NV] = O * alpha + P V for RB rows of fp32 P, V rows widened in registers.
-template <int RB, int NV>
-static inline void pv_direct_fma_pass(const float* P, const void* const* vrows, int d0, int Dp, int n, float* O,
-                                      const float* alpha) {
+// O[r][0, 16 NV) = O * alpha + sum_j P[r][j] V[j] for RB rows of fp32 P (KT apart), fp32 FMAs;
+// load_v(j, c) gives V row j's c-th 16 values as fp32 (from a converted tile, or a bf16 cache row).
+template <int RB, int NV, class LoadV>
+static inline void pv_fma(const float* P, int n, float* O, int Dp, const float* alpha, LoadV load_v) {
   __m512 acc[RB][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(O + r * Dp + d0 + 16 * c), a);
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(O + r * Dp + 16 * c), a);
   }
   for (int j = 0; j < n; ++j) {
-    const uint16_t* v = static_cast<const uint16_t*>(vrows[j]) + d0;
     __m512 vv[NV];
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) vv[c] = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
+    for (int c = 0; c < NV; ++c) vv[c] = load_v(j, c);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const __m512 pb = _mm512_set1_ps(P[r * KT + j]);
@@ -633,7 +632,17 @@ static inline void pv_direct_fma_pass(const float* P, const void* const* vrows, 
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + d0 + 16 * c, acc[r][c]);
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + 16 * c, acc[r][c]);
+}
+
+// Columns [d0, d0 + 16 NV) of the decode rows' output, V read from the cache rows (bf16).
+template <int RB, int NV>
+static inline void pv_direct_fma_pass(const float* P, const void* const* vrows, int d0, int Dp, int n, float* O,
+                                      const float* alpha) {
+  pv_fma<RB, NV>(P, n, O + d0, Dp, alpha, [&](int j, int c) {
+    const uint16_t* v = static_cast<const uint16_t*>(vrows[j]) + d0 + 16 * c;
+    return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+  });
 }
 
 template <int RB>
@@ -711,29 +720,7 @@ static inline void qk_block_f32(const float* q, int qs, const float* kt, int D, 
 
 template <int RB, int NV>
 static inline void pv_block_f32(const float* P, const float* v, int Dp, int nkeys, float* O, const float* alpha) {
-  __m512 acc[RB][NV];
-#pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r) {
-    const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(O + r * Dp + 16 * c), a);
-  }
-  for (int k = 0; k < nkeys; ++k) {
-    __m512 vv[NV];
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) vv[c] = _mm512_load_ps(v + k * Dp + 16 * c);
-#pragma GCC unroll 16
-    for (int r = 0; r < RB; ++r) {
-      const __m512 pb = _mm512_set1_ps(P[r * KT + k]);
-#pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r) {
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + 16 * c, acc[r][c]);
-  }
+  pv_fma<RB, NV>(P, nkeys, O, Dp, alpha, [&](int k, int cc) { return _mm512_load_ps(v + k * Dp + 16 * cc); });
 }
 
 template <int NV>
