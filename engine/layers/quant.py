@@ -487,9 +487,10 @@ _MERGED = {
 
 
 def tune_rows_int8_min_rows(linears: Sequence["Linear"], passes: int = 3) -> Optional[int]:
-    """Set the Q4 projections' row-int8 switch (``rows_int8_min_rows``) to the fewest rows of
-    :data:`ROWS_INT8_CANDIDATES` from which, at that size and every larger one, the row-int8 copies
-    beat the block kernel with int8 activations on this host; returns it (None: nothing to tune).
+    """Set the Q4 projections' row-int8 switch (``rows_int8_min_rows``) to the one of
+    :data:`ROWS_INT8_CANDIDATES` that, on this host, minimises the time of one batch of each
+    candidate size (below the switch on the block kernel with int8 activations, from it on the
+    row-int8 copies); returns it (None: nothing to tune).
 
     Timed over every given projection in turn, so their weights stream from memory as in a step,
     best of ``passes`` alternating passes: ~0.2 s at load for the default model.
@@ -517,11 +518,11 @@ def tune_rows_int8_min_rows(linears: Sequence["Linear"], passes: int = 3) -> Opt
                         else:
                             lin.packed(x, lin.bias, lin.large_act_bits)
                     best[m, path] = min(best[m, path], time.perf_counter() - t0)
-        chosen = ROWS_INT8_MIN_ROWS["Q4"]
-        for m in reversed(ROWS_INT8_CANDIDATES):  # the fewest rows from which the copies keep winning
-            if best[m, "rows"] >= best[m, "blocks"]:
-                break
-            chosen = m
+        def total(switch: int) -> float:  # every candidate batch size once, with the switch at `switch`
+            return sum(best[m, "blocks" if m < switch else "rows"] for m in ROWS_INT8_CANDIDATES)
+
+        # the least total time (one noisy size cannot flip the choice alone); ties keep more rows
+        chosen = min(ROWS_INT8_CANDIDATES, key=lambda m: (total(m), -m))
         logger.info(
             "row-int8 copies from %d rows (row-int8 / block kernel time at %s rows: %s)",
             chosen,
