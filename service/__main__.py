@@ -82,8 +82,8 @@ def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentPa
     add(
         "--large-batch-matmul",
         "batches above the small-batch limit (prefill, big decode batches): 'int8_rows' runs the packed "
-        "weights with int8 activations and, from a batch size timed at load (6-20 rows; Q8_0: 8), row-scaled int8 copies of them (faster, "
-        "~1 byte per weight more memory; AVX-512 VNNI only, elsewhere as 'int8'); 'int8' the packed weights "
+        "weights with int8 activations and, from a batch size timed at load (6-20 rows; Q8_0: 8), row-scaled "
+        "int8 copies of them (faster, ~1 byte per weight more memory; AVX-512 VNNI only, elsewhere as 'int8'); 'int8' the packed weights "
         "only; 'dense' the dense matmul; 'auto' int8_rows for bfloat16 and dense for float32",
         choices=list(LARGE_BATCH_MATMULS),
         default="auto",

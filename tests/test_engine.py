@@ -191,8 +191,8 @@ def test_native_packed_layers_match_the_modular_path(loaded, dtype):
     order, so a mixed batch (decodes, a 100-token prompt above the small-batch row limit, prompts
     chunked by the token budget) gives the same tokens and the same log-probabilities, to the
     bit, with the native path on and off.  (bf16 sends batches from 5 rows up to the row-int8
-    switch timed at load to the packed kernel with int8 activations and larger ones to the row-int8 copies; float32 sends them to the dense
-    matmul, i.e. the modular path.)"""
+    switch timed at load to the packed kernel with int8 activations and larger ones to the row-int8
+    copies; float32 sends them to the dense matmul, i.e. the modular path.)"""
     model = loaded if dtype == "float32" else load_model("default", torch.bfloat16)
     cfg = EngineConfig(
         model="default",

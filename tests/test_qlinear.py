@@ -533,6 +533,9 @@ def test_rows_int8_switch_is_timed_per_host(monkeypatch):
     x = torch.randn(chosen - 1, k, dtype=torch.bfloat16)
     torch.testing.assert_close(q4a(x), q4a.packed(x, None, 8), atol=0, rtol=0)
     assert Q.tune_rows_int8_min_rows([q8, plain]) is None
+    monkeypatch.setenv("CPUSERVE_ROWS_INT8_MIN_ROWS", "lots")
+    with pytest.raises(ValueError, match="CPUSERVE_ROWS_INT8_MIN_ROWS='lots'"):
+        Q.tune_rows_int8_min_rows([q4a])
 
 
 @pytest.mark.parametrize("m", [1, 3, 25])  # the packed kernel at 16-bit, at 8-bit activations; row-int8

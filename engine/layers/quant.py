@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -495,17 +496,18 @@ def tune_rows_int8_min_rows(linears: Sequence["Linear"], passes: int = 3) -> Opt
     Timed over every given projection in turn, so their weights stream from memory as in a step,
     best of ``passes`` alternating passes: ~0.2 s at load for the default model.
     """
-    import time
-
     tuned = [lin for lin in linears if lin.rows_int8 is not None and lin.large_act_bits and lin.packed.qtype[:2] == "Q4"]
     if not tuned:
         return None
-    env = os.environ.get("CPUSERVE_ROWS_INT8_MIN_ROWS")
+    env = os.environ.get("CPUSERVE_ROWS_INT8_MIN_ROWS", "").strip()
     if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"CPUSERVE_ROWS_INT8_MIN_ROWS={env!r}: expected a row count (a positive integer)")
         chosen = int(env)
     else:
         dtype = tuned[0].weight.dtype
-        xs = {(m, k): torch.randn(m, k).to(dtype) for m in ROWS_INT8_CANDIDATES for k in {lin.in_features for lin in tuned}}
+        sizes = {lin.in_features for lin in tuned}
+        xs = {(m, k): torch.randn(m, k).to(dtype) for m in ROWS_INT8_CANDIDATES for k in sizes}
         best = {(m, path): float("inf") for m in ROWS_INT8_CANDIDATES for path in ("blocks", "rows")}
         for _ in range(passes):
             for m in ROWS_INT8_CANDIDATES:
@@ -518,6 +520,7 @@ def tune_rows_int8_min_rows(linears: Sequence["Linear"], passes: int = 3) -> Opt
                         else:
                             lin.packed(x, lin.bias, lin.large_act_bits)
                     best[m, path] = min(best[m, path], time.perf_counter() - t0)
+
         def total(switch: int) -> float:  # every candidate batch size once, with the switch at `switch`
             return sum(best[m, "blocks" if m < switch else "rows"] for m in ROWS_INT8_CANDIDATES)
 
