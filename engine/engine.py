@@ -146,9 +146,7 @@ class LLMEngine:
         )
         if stats["packed"] or stats["quantized"]:
             if rows_int8:  # before binding: the native layers copy each projection's routing
-                from engine.layers.linear import Linear
-
-                quant.tune_rows_int8_min_rows([m for m in self.runner.model.modules() if isinstance(m, Linear)])
+                quant.tune_rows_int8_min_rows(self.runner.model)
             native_layers = self.runner.model.bind_packed_layers()
             large = "dense"
             if large_int8:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from engine.layers import quant as Q
 from engine.layers.linear import Linear
@@ -521,21 +522,21 @@ def test_rows_int8_switch_is_timed_per_host(monkeypatch):
 
     q4a, q4b, q8, plain = linear("Q4_1"), linear("Q4_0"), linear("Q8_0"), linear("Q4_1", rows_int8=False)
     monkeypatch.setenv("CPUSERVE_ROWS_INT8_MIN_ROWS", "12")
-    assert Q.tune_rows_int8_min_rows([q4a, q4b, q8, plain]) == 12
+    assert Q.tune_rows_int8_min_rows(nn.ModuleList([q4a, q4b, q8, plain])) == 12
     assert (q4a.rows_int8_min_rows, q4b.rows_int8_min_rows) == (12, 12)
     assert q8.rows_int8_min_rows == Q.ROWS_INT8_MIN_ROWS["Q8"] and plain.rows_int8 is None
     monkeypatch.delenv("CPUSERVE_ROWS_INT8_MIN_ROWS")
-    chosen = Q.tune_rows_int8_min_rows([q4a, q4b, q8, plain], passes=1)
+    chosen = Q.tune_rows_int8_min_rows(nn.ModuleList([q4a, q4b, q8, plain]), passes=1)
     assert chosen in Q.ROWS_INT8_CANDIDATES
     assert (q4a.rows_int8_min_rows, q4b.rows_int8_min_rows) == (chosen, chosen)
     x = torch.randn(chosen, k, dtype=torch.bfloat16)
     torch.testing.assert_close(q4a(x), q4a.rows_int8(x, None), atol=0, rtol=0)
     x = torch.randn(chosen - 1, k, dtype=torch.bfloat16)
     torch.testing.assert_close(q4a(x), q4a.packed(x, None, 8), atol=0, rtol=0)
-    assert Q.tune_rows_int8_min_rows([q8, plain]) is None
+    assert Q.tune_rows_int8_min_rows(nn.ModuleList([q8, plain])) is None
     monkeypatch.setenv("CPUSERVE_ROWS_INT8_MIN_ROWS", "lots")
     with pytest.raises(ValueError, match="CPUSERVE_ROWS_INT8_MIN_ROWS='lots'"):
-        Q.tune_rows_int8_min_rows([q4a])
+        Q.tune_rows_int8_min_rows(nn.ModuleList([q4a]))
 
 
 @pytest.mark.parametrize("m", [1, 3, 25])  # the packed kernel at 16-bit, at 8-bit activations; row-int8

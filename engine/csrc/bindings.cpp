@@ -22,8 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over the KV cache (writes output)", nogil);
   m.def("reshape_and_cache", &reshape_and_cache, "write new keys/values into their KV-cache slots", nogil);
   m.def("attention_isas", &attention_isas, "attention ISAs usable on this CPU");
-  m.def("attention_bf16_dot", &attention_bf16_dot, "how vec512 decode multiplies bf16: dpbf16 or fma");
-  m.def("attention_set_bf16_dot", &attention_set_bf16_dot, "pin vec512's bf16 decode path (auto, dpbf16, fma)",
+  m.def("attention_bf16_dot", &attention_bf16_dot, "how vec512 attention multiplies bf16: dpbf16 or fma");
+  m.def("attention_set_bf16_dot", &attention_set_bf16_dot, "pin vec512's bf16 attention path (auto, dpbf16, fma)",
         py::arg("mode"));
   // ---- end attention.cpp ----
   // ---- fused.cpp ----

@@ -31,7 +31,7 @@ void paged_attention(const std::string& isa, const at::Tensor& query, const at::
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
                        const at::Tensor& slot_mapping, double k_scale, double v_scale);
 std::vector<std::string> attention_isas();  // attention ISAs compiled in and runnable on this CPU
-// How vec512 decodes bf16 models: "dpbf16" or "fma" (see attention.cpp), "none" without vec512.
+// How vec512 multiplies a bf16 model's attention: "dpbf16" or "fma" (see attention.cpp), "none" without vec512.
 std::string attention_bf16_dot();
 void attention_set_bf16_dot(const std::string& mode);  // "auto" | "dpbf16" | "fma" (tests)
 // ---- end attention.cpp ----

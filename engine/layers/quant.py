@@ -487,16 +487,22 @@ _MERGED = {
 }
 
 
-def tune_rows_int8_min_rows(linears: Sequence["Linear"], passes: int = 3) -> Optional[int]:
-    """Set the Q4 projections' row-int8 switch (``rows_int8_min_rows``) to the one of
+def tune_rows_int8_min_rows(model: nn.Module, passes: int = 3) -> Optional[int]:
+    """Set the model's Q4 projections' row-int8 switch (``rows_int8_min_rows``) to the one of
     :data:`ROWS_INT8_CANDIDATES` that, on this host, minimises the time of one batch of each
     candidate size (below the switch on the block kernel with int8 activations, from it on the
     row-int8 copies); returns it (None: nothing to tune).
 
-    Timed over every given projection in turn, so their weights stream from memory as in a step,
+    Timed over every projection in turn, so their weights stream from memory as in a step,
     best of ``passes`` alternating passes: ~0.2 s at load for the default model.
     """
-    tuned = [lin for lin in linears if lin.rows_int8 is not None and lin.large_act_bits and lin.packed.qtype[:2] == "Q4"]
+    from engine.layers.linear import Linear
+
+    tuned = [
+        lin
+        for lin in model.modules()
+        if isinstance(lin, Linear) and lin.rows_int8 is not None and lin.large_act_bits and lin.packed.qtype[:2] == "Q4"
+    ]
     if not tuned:
         return None
     env = os.environ.get("CPUSERVE_ROWS_INT8_MIN_ROWS", "").strip()

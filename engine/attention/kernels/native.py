@@ -73,10 +73,9 @@ def available_isas() -> frozenset[str]:
 def describe(isa: str, dtype: torch.dtype) -> str:
     """The kernel path for logs: the ISA, and for vec512 with a bf16 model how it multiplies bf16
     ("dpbf16" or "fma": the extension times both instructions once, on this call if not before)."""
-    ext = _ext()
-    if isa == "vec512" and dtype == torch.bfloat16 and ext is not None and hasattr(ext, "attention_bf16_dot"):
-        return f"vec512 (bf16 products: {ext.attention_bf16_dot()})"
-    return isa
+    if isa != "vec512" or dtype != torch.bfloat16 or _ext() is None:
+        return isa
+    return f"vec512 (bf16 products: {_ext().attention_bf16_dot()})"
 
 
 def supports(isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> bool:

@@ -41,7 +41,7 @@ def native_isas() -> frozenset[str]:
 
 def describe(isa: str, dtype: torch.dtype) -> str:
     """``isa`` as the logs show it (native ISAs add how they multiply, where that varies by CPU)."""
-    return isa if isa == "ref" else native.describe(isa, dtype)
+    return native.describe(isa, dtype)
 
 
 def forced_isa_ceiling() -> str:
