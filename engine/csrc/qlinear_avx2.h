@@ -52,15 +52,16 @@ QL_TARGET inline __m256i dot8(const __m256i* w, const int8_t* xb) {
 }
 
 template <int QT, int MT, int DIGITS>
-QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h) {
+QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, int passes) {
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(p.gbytes);
   const int nb = p.nb;
   __m256 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0f);
+  PrefetchTurn turn(h == 0 ? pass : -1, passes);  // the second half re-reads the group from cache
   for (int b = 0; b < nb; ++b) {
     const uint8_t* gb = wg + static_cast<int64_t>(b) * p.gbytes;
-    if (kPrefetchBytes > 0 && h == 0)  // the second half re-reads the group from cache
+    if (turn.next() && kPrefetchBytes > 0)
       for (int off = 0; off < p.gbytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchBytes + off), QL_PREFETCH_HINT);
     __m256i w[8];
     __m256 dv, mv = _mm256_setzero_ps();
@@ -100,10 +101,11 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h) {
 template <int QT, int DIGITS>
 QL_TARGET void group_rows(const Problem& p, int64_t g) {
   constexpr int kTile = 2;  // 16 ymm registers: 8 weight vectors + scales + 2 rows of accumulators
+  const int passes = (p.m + kTile - 1) / kTile;
   for (int h = 0; h < 2; ++h) {
-    int t = 0;
-    for (; t + kTile <= p.m; t += kTile) group_half<QT, kTile, DIGITS>(p, g, t, h);
-    if (t < p.m) group_half<QT, 1, DIGITS>(p, g, t, h);
+    int t = 0, pass = 0;
+    for (; t + kTile <= p.m; t += kTile, ++pass) group_half<QT, kTile, DIGITS>(p, g, t, h, pass, passes);
+    if (t < p.m) group_half<QT, 1, DIGITS>(p, g, t, h, pass, passes);
   }
 }
 
