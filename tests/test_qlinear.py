@@ -539,6 +539,28 @@ def test_rows_int8_switch_is_timed_per_host(monkeypatch):
         Q.tune_rows_int8_min_rows(nn.ModuleList([q4a]))
 
 
+def test_rows_int8_switch_prefers_the_blocks_on_near_ties():
+    """The least total time wins, but switches within ROWS_INT8_TIE of it are tied and the most
+    rows (the more accurate block kernel for more batch sizes) takes the tie."""
+    sizes = Q.ROWS_INT8_CANDIDATES
+
+    def timings(rows_speedup: dict[int, float]) -> dict[tuple[int, str], float]:
+        best = {(m, "blocks"): float(m) for m in sizes}
+        best.update({(m, "rows"): m / rows_speedup.get(m, 1.0) for m in sizes})
+        return best
+
+    assert Q.choose_rows_int8_switch(timings({m: 2.0 for m in sizes})) == sizes[0]  # copies win everywhere
+    assert Q.choose_rows_int8_switch(timings({m: 0.5 for m in sizes})) == sizes[-1]  # blocks win everywhere
+    # the copies clearly faster from 12 rows on: 12 (not a noisy 6 or 8, not 16)
+    assert Q.choose_rows_int8_switch(timings({12: 1.5, 16: 1.5, 20: 1.5})) == 12
+    # 0.5% of the total faster at 8 rows: a tie, kept on the blocks
+    small = {8: 8 / (8 - 0.005 * sum(sizes))}
+    assert Q.choose_rows_int8_switch(timings(small)) == sizes[-1]
+    # 3% of the total faster at 6 and 8 rows: not a tie
+    big = {6: 6 / (6 - 0.015 * sum(sizes)), 8: 8 / (8 - 0.015 * sum(sizes))}
+    assert Q.choose_rows_int8_switch(timings(big)) == 6
+
+
 @pytest.mark.parametrize("m", [1, 3, 25])  # the packed kernel at 16-bit, at 8-bit activations; row-int8
 def test_float32_out_is_the_unrounded_result(isa, m):
     """Logits ask Linear for float32: every path returns float32 whose bf16 rounding is exactly the
