@@ -551,12 +551,12 @@ def test_rows_int8_switch_prefers_the_blocks_on_near_ties():
 
     assert Q.choose_rows_int8_switch(timings({m: 2.0 for m in sizes})) == sizes[0]  # copies win everywhere
     assert Q.choose_rows_int8_switch(timings({m: 0.5 for m in sizes})) == sizes[-1]  # blocks win everywhere
-    # the copies clearly faster from 12 rows on: 12 (not a noisy 6 or 8, not 16)
+    # the copies 1.5x faster from 12 rows on, equal below: 6, 8 and 12 tie, 12 takes it; 16 is slower
     assert Q.choose_rows_int8_switch(timings({12: 1.5, 16: 1.5, 20: 1.5})) == 12
     # 0.5% of the total faster at 8 rows: a tie, kept on the blocks
     small = {8: 8 / (8 - 0.005 * sum(sizes))}
     assert Q.choose_rows_int8_switch(timings(small)) == sizes[-1]
-    # 3% of the total faster at 6 and 8 rows: not a tie
+    # 1.5% of the total faster at each of 6 and 8 rows: switch 6 beats 8 by more than the tie
     big = {6: 6 / (6 - 0.015 * sum(sizes)), 8: 8 / (8 - 0.015 * sum(sizes))}
     assert Q.choose_rows_int8_switch(timings(big)) == 6
 

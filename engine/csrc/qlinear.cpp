@@ -80,7 +80,7 @@ struct Problem {
 // Which blocks of a weight group this pass over it prefetches ahead: the kernels pass over a group
 // once per tile of activation rows, and pass p of `passes` takes blocks p, p + passes, ...  Issued
 // again on every pass, the same prefetches cost issue slots and bunched into the first pass, whose
-// loads then waited behind them (0.75-0.95x the time at 4-64 rows, weights from DRAM, Intel host).
+// loads then waited behind them (0.75-0.97x the time at 4-64 rows, weights from DRAM, Intel host).
 class PrefetchTurn {
  public:
   PrefetchTurn(int pass, int passes) : phase_(pass), passes_(passes) {}
