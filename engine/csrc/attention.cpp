@@ -279,7 +279,7 @@ void merge_splits(const AttnParams& p, const Merge& mg, const float* partials) {
       for (int d = 0; d < D; ++d) acc[d] += w * part[d];
     }
     const float inv = 1.f / L;
-    const int64_t off = (tok + r / G) * p.o_st + (mg.kvh * G + r % G) * p.o_sh;
+    const int64_t off = o_offset(p, tok, mg.kvh, r);
     if (p.model_bf16) {
       c10::BFloat16* dst = static_cast<c10::BFloat16*>(p.out) + off;
       for (int d = 0; d < D; ++d) dst[d] = c10::BFloat16(acc[d] * inv);

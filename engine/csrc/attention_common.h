@@ -51,6 +51,15 @@ struct AttnParams {
   int rows_cap;  // scratch rows (multiple of 16)
 };
 
+// Element offsets, in the query and in the output, of a work unit's row r: a unit's rows are its
+// tokens' G query heads of kv head kvh, token-major, from token tok.
+inline int64_t q_offset(const AttnParams& p, int tok, int kvh, int r) {
+  return (tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh;
+}
+inline int64_t o_offset(const AttnParams& p, int tok, int kvh, int r) {
+  return (tok + r / p.G) * p.o_st + (kvh * p.G + r % p.G) * p.o_sh;
+}
+
 // Per-thread scratch, carved from one 64-byte aligned buffer.
 struct Scratch {
   void* q;      // [rows_cap][Dp] compute dtype (bf16 or fp32), zero padded

@@ -177,7 +177,7 @@ struct Ops {
     const int64_t esz = p.model_bf16 ? 2 : 4;
     const uint8_t* src = static_cast<const uint8_t*>(p.q);
     for (int r = 0; r < R; ++r) {
-      const uint8_t* row = src + ((tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh) * esz;
+      const uint8_t* row = src + q_offset(p, tok, kvh, r) * esz;
       row_to_f32(row, p.model_bf16, KvKind::kSame, 1.f, false, p.D, p.Dp, q + static_cast<int64_t>(r) * p.Dp);
     }
   }
@@ -315,7 +315,7 @@ struct Ops {
   __attribute__((noinline)) static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
     (void)ntok;
     for (int r = 0; r < R; ++r) {
-      const int64_t off = (tok + r / p.G) * p.o_st + (kvh * p.G + r % p.G) * p.o_sh;
+      const int64_t off = o_offset(p, tok, kvh, r);
       const __m256 inv = _mm256_set1_ps(1.0f / s.l[r]);
       const float* o = s.O + static_cast<int64_t>(r) * p.Dp;
       if (p.model_bf16) {
@@ -440,7 +440,7 @@ struct DecodeOps {
     float* q = static_cast<float*>(s.q);
     const uint16_t* src = static_cast<const uint16_t*>(p.q);
     for (int r = 0; r < R; ++r) {
-      const uint16_t* row = src + (tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh;
+      const uint16_t* row = src + q_offset(p, tok, kvh, r);
       float* dst = q + static_cast<int64_t>(r) * p.Dp;
       for (int c = 0; c * 16 < p.D; ++c) {
         __m256 even, odd;

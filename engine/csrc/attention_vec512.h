@@ -307,7 +307,7 @@ struct Bf16Ops {
         for (int d0 = 0; d0 < p.Dp; d0 += 32) _mm512_store_si512(dst + d0, _mm512_setzero_si512());
         continue;
       }
-      const uint16_t* row = src + (tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh;
+      const uint16_t* row = src + q_offset(p, tok, kvh, r);
       for (int d0 = 0; d0 < p.Dp; d0 += 32) _mm512_store_si512(dst + d0, _mm512_maskz_loadu_epi16(mask32(p.D - d0), row + d0));
     }
   }
@@ -418,7 +418,7 @@ struct Bf16Ops {
     (void)ntok;
     uint16_t* out = static_cast<uint16_t*>(p.out);
     for (int r = 0; r < R; ++r) {
-      uint16_t* dst = out + (tok + r / p.G) * p.o_st + (kvh * p.G + r % p.G) * p.o_sh;
+      uint16_t* dst = out + o_offset(p, tok, kvh, r);
       const __m512 inv = _mm512_set1_ps(1.0f / s.l[r]);
       const float* o = s.O + static_cast<int64_t>(r) * p.Dp;
       for (int d0 = 0; d0 < p.D; d0 += 16)
@@ -664,7 +664,7 @@ struct Bf16FmaDecodeOps {
     const uint16_t* src = static_cast<const uint16_t*>(p.q);
     for (int r = 0; r < R; ++r) {
       float* dst = q + static_cast<int64_t>(r) * p.Dp;
-      const uint16_t* row = src + (tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh;
+      const uint16_t* row = src + q_offset(p, tok, kvh, r);
       for (int d0 = 0; d0 < p.Dp; d0 += 16) {  // zero past D: the last 32-wide K chunk may reach there
         _mm512_store_ps(dst + d0, widen_bf16x16(_mm256_maskz_loadu_epi16(mask16(p.D - d0), row + d0)));
       }
@@ -746,7 +746,7 @@ struct F32Ops {
     const float* src = static_cast<const float*>(p.q);
     for (int r = 0; r < R; ++r) {
       float* dst = q + static_cast<int64_t>(r) * p.Dp;
-      const float* row = src + (tok + r / p.G) * p.q_st + (kvh * p.G + r % p.G) * p.q_sh;
+      const float* row = src + q_offset(p, tok, kvh, r);
       for (int d0 = 0; d0 < p.Dp; d0 += 16) _mm512_store_ps(dst + d0, _mm512_maskz_loadu_ps(mask16(p.D - d0), row + d0));
     }
   }
@@ -848,7 +848,7 @@ struct F32Ops {
     if (p.model_bf16) return Bf16Ops::store(p, s, tok, ntok, kvh, R);
     float* out = static_cast<float*>(p.out);
     for (int r = 0; r < R; ++r) {
-      float* dst = out + (tok + r / p.G) * p.o_st + (kvh * p.G + r % p.G) * p.o_sh;
+      float* dst = out + o_offset(p, tok, kvh, r);
       const __m512 inv = _mm512_set1_ps(1.0f / s.l[r]);
       const float* o = s.O + static_cast<int64_t>(r) * p.Dp;
       for (int d0 = 0; d0 < p.D; d0 += 16) _mm512_storeu_ps(dst + d0, _mm512_mul_ps(_mm512_load_ps(o + d0), inv));
