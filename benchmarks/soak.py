@@ -372,7 +372,9 @@ class OwnServer:
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith(SERVER_ENV_PREFIX)}
         env["PYTHONUNBUFFERED"] = "1"
-        cmd = [python, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port), "--api-key", api_key,
+        # "--api-key=KEY": token_urlsafe keys start with "-" one time in 64, which argparse would
+        # read as an option and refuse ("expected one argument").
+        cmd = [python, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port), f"--api-key={api_key}",
                *extra_args]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
