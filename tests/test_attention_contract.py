@@ -128,6 +128,21 @@ def test_layer_guards_skip_the_cache_update(monkeypatch, kwargs, key_value):
     assert updates == []
 
 
+def test_per_head_inputs_with_an_output_buffer_match_the_flat_call():
+    """The native decoder layer hands the attention layer per-head views and a buffer to write: the
+    cache gets the same writes and the buffer the same rows as the flat [T, H*D] call returns."""
+    q, k, v = torch.randn(3, 16), torch.randn(3, 8), torch.randn(3, 8)
+    flat_layer, head_layer = _layer(), _layer()
+    with set_forward_context(ForwardContext(_meta([0, 1, 2]))):
+        flat = flat_layer(q, k, v)
+        buffer = torch.full((3, 2, 8), float("nan"))
+        got = head_layer(q.view(3, 2, 8), k.view(3, 1, 8), v.view(3, 1, 8), buffer)
+    assert got is buffer
+    torch.testing.assert_close(buffer.view(3, 16), flat)
+    torch.testing.assert_close(head_layer.kv_cache, flat_layer.kv_cache)
+    assert torch.count_nonzero(head_layer.kv_cache) > 0
+
+
 def test_padding_slots_are_skipped():
     layer = _layer()
     q, k, v = torch.randn(3, 16), torch.randn(3, 8), torch.randn(3, 8)

@@ -64,17 +64,33 @@ class Attention(nn.Module):
         self.k_scale: float = 1.0
         self.v_scale: float = 1.0
 
-    def forward(self, query: torch.Tensor, key: Optional[torch.Tensor], value: Optional[torch.Tensor]) -> torch.Tensor:
-        """query [T, H*D], key/value [T, Hkv*D] (or None) -> output [T, H*D]."""
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor],
+        value: Optional[torch.Tensor],
+        output: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """query [T, H*D], key/value [T, Hkv*D] (or None) -> output [T, H*D].
+
+        Callers that already hold per-head views (query [T, H, D], key/value [T, Hkv, D]) and an
+        output buffer shaped like the query pass them as they are, and get the buffer back.  The
+        native decoder layer does: each torch op from Python costs a few microseconds per layer
+        and token, and making the split, the views and the allocation in C++ took batch-1 decode
+        steps from 6.95 to 6.44 ms and 5.66 to 5.24 ms (two runs, alternating in one process).
+        """
         ctx = get_forward_context()
         meta = ctx.attn_metadata
-        num_tokens = query.shape[0]
-        query = query.view(num_tokens, self.num_heads, self.head_size)
-        if key is not None:
-            key = key.view(num_tokens, self.num_kv_heads, self.head_size)
-        if value is not None:
-            value = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        output = torch.empty_like(query)
+        flat = query.dim() == 2
+        if flat:
+            num_tokens = query.shape[0]
+            query = query.view(num_tokens, self.num_heads, self.head_size)
+            if key is not None:
+                key = key.view(num_tokens, self.num_kv_heads, self.head_size)
+            if value is not None:
+                value = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        if output is None:
+            output = torch.empty_like(query)
 
         t0 = time.perf_counter()
         if self.writes_kv_cache and key is not None and value is not None:
@@ -84,4 +100,4 @@ class Attention(nn.Module):
         t2 = time.perf_counter()
         ctx.kv_update_s += t1 - t0
         ctx.attention_s += t2 - t1
-        return output.view(num_tokens, self.num_heads * self.head_size)
+        return output.view(output.shape[0], self.num_heads * self.head_size) if flat else output

@@ -5,7 +5,9 @@
 // split).  Run this way, a batch-1 forward + logits went 3.48 -> 2.95 ms (same process,
 // alternating), 32 decodes 17.9 -> 17.5 ms.  When all four projections of a layer hold packed weights,
 // engine/models/llama.py runs the layer as
-//   pre_attention:  [residual +] RMSNorm -> qkv projection -> RoPE on q and k (in place)
+//   pre_attention:  [residual +] RMSNorm -> qkv projection -> RoPE on q and k (in place); q, k, v
+//                   as per-head views and the attention's output buffer (from Python each of those
+//                   torch ops cost microseconds: batch-1 steps 0.93x without them)
 //   attention:      the attention layer, from Python (do_kv_cache_update, then forward)
 //   post_attention: o projection -> residual + RMSNorm -> gate_up projection -> SiLU * up -> down
 // The kernels, their order and their arguments are those of the modular path (the reference,
@@ -29,10 +31,9 @@ torch::Tensor PackedProjection::operator()(const torch::Tensor& x) const {
   return qlinear_forward(x, data, qtype, n, k, bias, isa, large_act_bits);
 }
 
-std::tuple<torch::Tensor, torch::Tensor> PackedDecoderLayer::pre_attention(torch::Tensor x,
-                                                                           c10::optional<torch::Tensor> residual,
-                                                                           const torch::Tensor& positions,
-                                                                           const torch::Tensor& cos_sin) const {
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> PackedDecoderLayer::pre_attention(
+    torch::Tensor x, c10::optional<torch::Tensor> residual, const torch::Tensor& positions,
+    const torch::Tensor& cos_sin) const {
   torch::Tensor normed, res;
   if (residual.has_value()) {  // residual += x; x = norm(residual)
     res = *residual;
@@ -45,14 +46,16 @@ std::tuple<torch::Tensor, torch::Tensor> PackedDecoderLayer::pre_attention(torch
     res = x;
   }
   torch::Tensor qkv = qkv_proj(normed);
-  TORCH_CHECK(fused_rope(positions, qkv.narrow(1, 0, q_size), qkv.narrow(1, q_size, kv_size), cos_sin, head_size, true)
-                  .has_value(),
-              kDeclined);
-  return {qkv, res};
+  torch::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+  TORCH_CHECK(fused_rope(positions, q, k, cos_sin, head_size, true).has_value(), kDeclined);
+  const int64_t t = qkv.size(0);
+  torch::Tensor query = q.view({t, q_size / head_size, head_size});
+  return {query, k.view({t, kv_size / head_size, head_size}),
+          qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_size / head_size, head_size}), at::empty_like(query), res};
 }
 
 torch::Tensor PackedDecoderLayer::post_attention(const torch::Tensor& attn_out, torch::Tensor residual) const {
-  torch::Tensor h = o_proj(attn_out);
+  torch::Tensor h = o_proj(attn_out.dim() == 3 ? attn_out.flatten(1) : attn_out);
   TORCH_CHECK(fused_add_rms_norm_(h, residual, post_norm, eps), kDeclined);
   auto act = fused_silu_and_mul(gate_up_proj(h));
   TORCH_CHECK(act.has_value(), kDeclined);

@@ -87,12 +87,14 @@ struct PackedDecoderLayer {
   double eps;
   PackedProjection qkv_proj, o_proj, gate_up_proj, down_proj;
   int64_t head_size, q_size, kv_size;
-  // (qkv with RoPE applied to its q and k columns, residual); x and residual are updated in place
-  // as add_rms_norm_ does (no residual: x becomes it).
-  std::tuple<torch::Tensor, torch::Tensor> pre_attention(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                                         const torch::Tensor& positions,
-                                                         const torch::Tensor& cos_sin) const;
-  // The MLP block's output; residual += o_proj(attn_out) in place.
+  // (query [T, H, D], key and value [T, Hkv, D], output [T, H, D], residual): the first three are
+  // views of one qkv product with RoPE applied to q and k, the output an empty buffer for the
+  // attention to write.  x and residual are updated in place as add_rms_norm_ does (no residual:
+  // x becomes it).
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> pre_attention(
+      torch::Tensor x, c10::optional<torch::Tensor> residual, const torch::Tensor& positions,
+      const torch::Tensor& cos_sin) const;
+  // The MLP block's output; residual += o_proj(attn_out) in place.  attn_out: [T, H * D] or [T, H, D].
   torch::Tensor post_attention(const torch::Tensor& attn_out, torch::Tensor residual) const;
 };
 // ---- end decoder_layer.cpp ----

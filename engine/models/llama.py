@@ -145,10 +145,9 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.packed is not None and x.shape[0] <= self.packed_max_rows:
-            attn = self.self_attn
-            qkv, residual = self.packed.pre_attention(x, residual, positions, cos_sin)
-            q, k, v = qkv.split_with_sizes(attn.qkv_sizes, dim=-1)
-            return self.packed.post_attention(attn.attn.forward(q, k, v), residual), residual
+            q, k, v, out, residual = self.packed.pre_attention(x, residual, positions, cos_sin)
+            self.self_attn.attn.forward(q, k, v, out)
+            return self.packed.post_attention(out, residual), residual
         x, residual = self.input_layernorm.forward(x, residual)
         x = self.self_attn.forward(positions, x, cos_sin)
         x, residual = self.post_attention_layernorm.forward(x, residual)
