@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from engine.attention.backends.cpu import CPUAttentionMetadata
-from engine.attention.kernels import native, ops
+from engine.attention.backends.cpu import CPUAttentionMetadata, allocate_kv_cache, kv_cache_torch_dtype
+from engine.attention.kernels import native, ops, ref
 
 
 def _time(fn: Callable[[], None], min_time: float, max_iters: int = 2000) -> float:
@@ -50,11 +50,18 @@ def build_batch(
     block_size: int,
     dtype: torch.dtype,
     seed: int = 0,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, CPUAttentionMetadata]:
+    """A random batch over a cache in ``cache_dtype`` (default: the model dtype), written as the
+    engine writes it (fp8: scale 0.5)."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + 1
-    kv_cache = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=g).to(dtype)
+    cache_dtype = cache_dtype or dtype
+    kv_cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
+    rows = torch.randn(2, num_blocks * block_size, num_kv_heads, head_size, generator=g).to(dtype)
+    fp8_scale = 0.5 if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else 1.0
+    ref.reshape_and_cache(rows[0], rows[1], kv_cache, torch.arange(num_blocks * block_size), fp8_scale, fp8_scale)
     perm = torch.randperm(num_blocks, generator=g)
     block_table = torch.zeros(len(seq_lens), max(blocks_per_req), dtype=torch.int32)
     k = 0
@@ -92,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-size", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=sorted(native.KV_CACHE_DTYPES))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    cache_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.kv_cache_dtype]
+    cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
     available = native.available_isas()
     wanted = [s for s in args.isas.split(",") if s] or [i for i in ops.ISAS[:-1] if i in available]
     isas = [
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     H, Hkv, D, B = args.heads, args.kv_heads, args.head_size, args.block_size
     scale = D**-0.5
-    k_scale = v_scale = 1.0 if args.kv_cache_dtype == "auto" else 0.5
+    k_scale = v_scale = 0.5 if args.kv_cache_dtype.startswith("fp8") else 1.0
 
     cases = [
         ("decode b=1 ctx=256", [1], [256]),
@@ -125,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(f"{'case':<24}{'isa':<8}{'time/call':>12}{'vs ref':>9}{'max|diff|':>11}")
     for name, q_lens, seq_lens in cases:
-        query, kv_cache, meta = build_batch(q_lens, seq_lens, H, Hkv, D, B, dtype)
-        kv_cache = kv_cache.to(cache_dtype)
+        query, kv_cache, meta = build_batch(q_lens, seq_lens, H, Hkv, D, B, dtype, cache_dtype=cache_dtype)
         out_ref = torch.empty_like(query)
 
         def run_ref() -> None:
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, T in (("kv write 32 tokens", 32), ("kv write 1024 tokens", 1024)):
         g = torch.Generator().manual_seed(1)
         nb = -(-T // B) + 1
-        kv_cache = torch.zeros(nb, Hkv, B, 2 * D, dtype=cache_dtype)
+        kv_cache = allocate_kv_cache(nb, B, Hkv, D, cache_dtype)
         key = torch.randn(T, Hkv, D, generator=g).to(dtype)
         value = torch.randn(T, Hkv, D, generator=g).to(dtype)
         slots = torch.randperm(nb * B, generator=g)[:T].to(torch.int64)

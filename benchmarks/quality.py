@@ -1,7 +1,7 @@
 """Numerical quality of the fast paths against the float32 reference, on the real model.
 
 Every lower-precision path (bf16 activations, packed low-bit matmuls with 16- or 8-bit
-activations, the row-int8 copies large batches use, fp8 KV cache) is run teacher-forced along
+activations, the row-int8 copies large batches use, int8 and fp8 KV caches) is run teacher-forced along
 the float32 reference's own greedy continuation, one decode step at a time (so the decode
 kernels are what is measured), and compared position by position: greedy agreement (same
 argmax) and the largest logit difference.  Prints a table; ``--json-out`` saves it.
@@ -74,6 +74,7 @@ VARIANTS = [
     Variant("bf16, packed blocks, int8 activations everywhere", "bfloat16", "auto", env={"CPUSERVE_PACKED_ACT_BITS": "8"}),
     # What batches from the row-int8 switch on get by default.
     Variant("bf16, row-int8 copies everywhere", "bfloat16", "auto", every_batch_on_rows_int8=True),
+    Variant("bf16, packed blocks, int8 KV cache", "bfloat16", "auto", "int8"),
     Variant("bf16, packed blocks, fp8 e4m3 KV cache", "bfloat16", "auto", "fp8_e4m3"),
     Variant("fp32, packed blocks, 16-bit activations", "float32", "auto"),
 ]

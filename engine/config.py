@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 WEIGHT_QUANTS = ("auto", "q8_0", "none")
 LARGE_BATCH_MATMULS = ("auto", "int8_rows", "int8", "dense")
 
@@ -63,7 +63,7 @@ def default_num_threads() -> int:
 class CacheConfig:
     block_size: int = 16
     kv_cache_gb: Optional[float] = None  # None: default_kv_cache_gb()
-    kv_cache_dtype: str = "auto"  # "auto" (the run dtype), "fp8_e4m3", "fp8_e5m2"
+    kv_cache_dtype: str = "auto"  # "auto" (the run dtype), "int8" (a scale per token and kv head), "fp8_e4m3", "fp8_e5m2"
     enable_prefix_caching: bool = True
     num_blocks: Optional[int] = None  # overrides kv_cache_gb; tests use it to force preemption
 

@@ -18,7 +18,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from engine.attention.backends.cpu import CPUAttentionBackend, CPUAttentionMetadata, kv_cache_torch_dtype
+from engine.attention.backends.cpu import (
+    CPUAttentionMetadata,
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+    kv_cache_torch_dtype,
+)
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.models.llama import LlamaForCausalLM
@@ -47,8 +52,8 @@ class RunnerOutput:
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
-    elem = torch.empty(0, dtype=cache_dtype).element_size()
-    return model.num_hidden_layers * model.num_key_value_heads * block_size * 2 * model.head_dim * elem
+    per_layer = kv_cache_bytes_per_block(block_size, model.num_key_value_heads, model.head_dim, cache_dtype)
+    return model.num_hidden_layers * per_layer
 
 
 class ModelRunner:
@@ -68,13 +73,14 @@ class ModelRunner:
         self.model.eval()
 
     def allocate_kv_cache(self) -> None:
-        """One tensor per layer, bound to its attention layer.  torch.empty: pages become resident as they fill."""
+        """One tensor per layer, bound to its attention layer; pages become resident as they fill."""
         cache_dtype = kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype)
-        shape = CPUAttentionBackend.get_kv_cache_shape(
-            self.num_blocks, self.block_size, self.model_config.num_key_value_heads, self.model_config.head_dim
-        )
+        mc = self.model_config
         layers = self.model.attention_layers()
-        self.kv_caches = [torch.empty(shape, dtype=cache_dtype) for _ in layers]
+        self.kv_caches = [
+            allocate_kv_cache(self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim, cache_dtype)
+            for _ in layers
+        ]
         by_name = {layer.layer_name: layer for layer in layers}
         for layer, cache in zip(layers, self.kv_caches):
             target = layer.kv_sharing_target_layer_name

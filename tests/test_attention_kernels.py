@@ -2,7 +2,7 @@
 
 Every native ISA this CPU runs is checked against ``ref`` on random mixed batches:
 decodes, a fresh prompt, a prompt chunk after cached context and long contexts over
-many blocks, for bf16/fp32 models, bf16/fp32/fp8 caches, GQA and block sizes.  The
+many blocks, for bf16/fp32 models, bf16/fp32/fp8/int8 caches, GQA and block sizes.  The
 AMX path runs for real only on AMX hosts (Sapphire Rapids+); elsewhere ``amx_emu``
 runs the same tile code on a software model of the tiles.
 """
@@ -16,12 +16,13 @@ import sys
 import pytest
 import torch
 
-from engine.attention.backends.cpu import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa
+from engine.attention.backends.cpu import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa, allocate_kv_cache
 from engine.attention.kernels import native, ops, ref
 
 NATIVE = native.available_isas()
 COMPILED = set(native._ext().attention_isas()) if NATIVE else set()
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+QUANT = {**FP8, "int8": torch.int8}
 
 pytestmark = pytest.mark.skipif(not NATIVE, reason="native extension unavailable (no compiler/ninja, or CPUSERVE_NATIVE=0)")
 
@@ -55,11 +56,34 @@ def threads():
 MIXED = [(1, 1), (1, 17), (1, 300), (1, 1500), (20, 20), (17, 100), (70, 700)]
 
 
+def random_cache(num_blocks, Hkv, B, D, cache_dtype, g):
+    """Standard-normal K and V; an int8 cache gets them through the reference write (with scales)."""
+    if cache_dtype != torch.int8:
+        return torch.randn(num_blocks, Hkv, B, 2 * D, generator=g).to(cache_dtype)
+    kv = allocate_kv_cache(num_blocks, B, Hkv, D, torch.int8)
+    rows = torch.randn(2, num_blocks * B, Hkv, D, generator=g)
+    ref.reshape_and_cache(rows[0], rows[1], kv, torch.arange(num_blocks * B), 1.0, 1.0)
+    return kv
+
+
+def whole_rows(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's rows with whatever follows them (an int8 cache's scales): [blocks, heads, block, row stride]."""
+    nb, hkv, b, _ = cache.shape
+    return torch.as_strided(cache, (nb, hkv, b, cache.stride(2)), (cache.stride(0), cache.stride(1), cache.stride(2), 1))
+
+
+def clone_cache(cache: torch.Tensor) -> torch.Tensor:
+    nb, hkv, b, two_d = cache.shape
+    out = allocate_kv_cache(nb, b, hkv, two_d // 2, cache.dtype)
+    whole_rows(out).copy_(whole_rows(cache))
+    return out
+
+
 def make_case(q_seq, H, Hkv, D, B, dtype, cache_dtype, seed=0, q_scale=2.0, strided_query=True):
     g = torch.Generator().manual_seed(seed)
     nblocks = [-(-s // B) for _, s in q_seq]
     num_blocks = sum(nblocks) + 3
-    kv = torch.randn(num_blocks, Hkv, B, 2 * D, generator=g).to(cache_dtype)
+    kv = random_cache(num_blocks, Hkv, B, D, cache_dtype, g)
     perm = torch.randperm(num_blocks, generator=g)
     bt = torch.full((len(q_seq), max(nblocks) + 2), 0, dtype=torch.int32)
     k = 0
@@ -108,9 +132,14 @@ def run_both(isa, query, kv, meta, D, kv_cache_dtype, k_scale, v_scale):
     return got, expected
 
 
-def assert_close(got, expected):
+def assert_close(got, expected, int8_cache=False):
     assert not torch.isnan(got).any(), "rows left unwritten (NaN)"
-    if got.dtype == torch.bfloat16:
+    if int8_cache:
+        # vec512's int8 decode path also rounds the queries to int8 and the probabilities to u8
+        # (max differences seen: ~0.03 on outputs of size ~1, means ~1e-3).
+        torch.testing.assert_close(got.float(), expected.float(), atol=6e-2, rtol=5e-2)
+        assert (got.float() - expected.float()).abs().mean().item() < 5e-3
+    elif got.dtype == torch.bfloat16:
         # bf16 probabilities in the P V dot products: a couple of bf16 ulps on outputs of size ~1.
         torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=2e-2)
         assert (got.float() - expected.float()).abs().mean().item() < 2e-3
@@ -121,7 +150,7 @@ def assert_close(got, expected):
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256"])
 def test_paged_attention_matches_ref(isa, dtype, kv_cache_dtype, head_size, gqa, block_size):
@@ -129,11 +158,11 @@ def test_paged_attention_matches_ref(isa, dtype, kv_cache_dtype, head_size, gqa,
     if not native.supports(_base(isa), dtype, block_size, head_size, kv_cache_dtype):
         pytest.skip(f"{isa} does not serve {dtype} models")
     Hkv = 2
-    cache_dtype = FP8.get(kv_cache_dtype, dtype)
-    k_scale, v_scale = (0.7, 1.3) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    cache_dtype = QUANT.get(kv_cache_dtype, dtype)
+    k_scale, v_scale = (0.7, 1.3) if kv_cache_dtype in FP8 else (1.0, 1.0)
     query, kv, meta = make_case(MIXED, Hkv * gqa, Hkv, head_size, block_size, dtype, cache_dtype, seed=head_size + gqa)
     got, expected = run_both(isa, query, kv, meta, head_size, kv_cache_dtype, k_scale, v_scale)
-    assert_close(got, expected)
+    assert_close(got, expected, int8_cache=kv_cache_dtype == "int8")
 
 
 @pytest.mark.parametrize("head_size", [80, 96])
@@ -161,17 +190,17 @@ def test_gqa_group_sizes(isa, gqa, head_size):
     assert_close(got, expected)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("gqa", [1, 3, 8, 20])
 def test_amx_tile_code_emulated(gqa, kv_cache_dtype):
     """The AMX tile kernels' bookkeeping (shapes, strides, VNNI layouts, partial row tiles)
     on emulated tiles: decode groups of 1-20 rows, prefill tiles of up to 64 rows."""
     _need("amx_emu")
-    cache_dtype = FP8.get(kv_cache_dtype, torch.bfloat16)
-    k_scale, v_scale = (0.7, 1.3) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    cache_dtype = QUANT.get(kv_cache_dtype, torch.bfloat16)
+    k_scale, v_scale = (0.7, 1.3) if kv_cache_dtype in FP8 else (1.0, 1.0)
     query, kv, meta = make_case(MIXED[:6], 2 * gqa, 2, 64, 16, torch.bfloat16, cache_dtype, seed=gqa)
     got, expected = run_both("amx_emu", query, kv, meta, 64, kv_cache_dtype, k_scale, v_scale)
-    assert_close(got, expected)
+    assert_close(got, expected, int8_cache=kv_cache_dtype == "int8")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -188,6 +217,18 @@ def test_thread_counts_and_context_splits(isa, num_threads, dtype, threads):
         query, kv, meta = make_case(q_seq, 9, 3, 64, 16, dtype, dtype, seed=len(q_seq))
         got, expected = run_both(isa, query, kv, meta, 64, "auto", 1.0, 1.0)
         assert_close(got, expected)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 5])
+@pytest.mark.parametrize("isa", ["vec512", "vec256"])
+def test_int8_cache_context_splits(isa, num_threads, threads):
+    """The int8 decode path's partial results (flash decoding splits) merge like the others'."""
+    _need(isa)
+    threads(num_threads)
+    for q_seq in ([(1, 2000)], [(1, 129), (1, 1000)], [(2, 900)]):
+        query, kv, meta = make_case(q_seq, 9, 3, 64, 16, torch.bfloat16, torch.int8, seed=len(q_seq))
+        got, expected = run_both(isa, query, kv, meta, 64, "int8", 1.0, 1.0)
+        assert_close(got, expected, int8_cache=True)
 
 
 @pytest.mark.parametrize("block_size", [8, 48, 64])
@@ -211,16 +252,75 @@ def test_extreme_scores_stay_finite(isa):
     assert_close(got, expected)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def int8_decode_emulated(query, kv, meta, scale):
+    """What vec512's int8 decode path computes, written out in torch: each query row rounded to
+    int8 against its largest value, exact integer dot products with the int8 keys times the two
+    scales, an online softmax over tiles of 32 keys, and per tile the probabilities times the keys'
+    V scales rounded to u8 against the tile's largest, multiplied with the int8 values."""
+    H, D = query.shape[1], query.shape[2]
+    Hkv, B = kv.shape[1], kv.shape[2]
+    G = H // Hkv
+    row_scales = ref.int8_row_scales(kv)
+    out = torch.empty(query.shape, dtype=torch.float32)
+    for i, L in enumerate(meta.seq_lens_list):
+        t = meta.query_start_loc_list[i]
+        assert meta.query_start_loc_list[i + 1] == t + 1, "decode rows only"
+        pos = torch.arange(L)
+        blocks = meta.block_table[i, pos // B].long()
+        rows, sc = kv[blocks, :, pos % B].float(), row_scales[blocks, :, pos % B]  # [L, Hkv, 2D], [L, Hkv, 2]
+        for h in range(H):
+            k, v, ks, vs = rows[:, h // G, :D], rows[:, h // G, D:], sc[:, h // G, 0], sc[:, h // G, 1]
+            q = query[t, h].float()
+            m = q.abs().max()
+            qi = torch.round(q * (torch.full_like(m, 127.0) / m)) if m > 0 else torch.zeros_like(q)
+            scores = (k @ qi) * (m / 127.0) * ks
+            m_run, l, o = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(D)
+            for k0 in range(0, L, 32):
+                st = scores[k0 : k0 + 32] * scale
+                m_new = torch.maximum(m_run, st.max())
+                alpha = torch.exp(m_run - m_new) if torch.isfinite(m_run) else torch.tensor(1.0)
+                p = torch.exp(st - m_new)
+                l = l * alpha + p.sum()
+                pv = p * vs[k0 : k0 + 32]
+                top = pv.max()
+                pq = torch.round(pv * (torch.full_like(top, 255.0) / top))
+                o = o * alpha + (pq @ v[k0 : k0 + 32]) * (top / 255.0)
+                m_run = m_new
+            out[t, h] = o / l
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("gqa", [1, 3, 8])
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+def test_int8_decode_path_arithmetic(head_size, gqa, dtype):
+    """vec512's int8 decode path against its arithmetic written out in torch (int8_decode_emulated):
+    the loose comparison with ref above would let a wrong offset or scale through."""
+    _need("vec512")
+    if "avx512_vnni" not in ops.cpu_flags():
+        pytest.skip("the int8 decode path needs AVX512-VNNI")
+    q_seq = [(1, n) for n in (1, 17, 31, 32, 33, 300, 1500)]
+    query, kv, meta = make_case(q_seq, 2 * gqa, 2, head_size, 16, dtype, torch.int8, seed=head_size * gqa)
+    got = torch.full(query.shape, float("nan"), dtype=dtype)
+    ops.paged_attention("vec512", query, kv, meta, head_size**-0.5, "int8", 1.0, 1.0, got)
+    expected = int8_decode_emulated(query, kv, meta, head_size**-0.5)
+    # Left: fp32 summation order and exp's polynomial (~1e-7 seen), and a bf16 model's output rounding.
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-5)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_reshape_and_cache_matches_ref(dtype, kv_cache_dtype):
-    """Bit-exact with the reference (fp8 rounding and saturation included); padding slots
-    (-1) write nothing."""
+    """Bit-exact with the reference (fp8 rounding and saturation, int8 rows and their scales
+    included); padding slots (-1) write nothing."""
     isa = sorted(NATIVE)[0]
     T, Hkv, D, B, nb = 40, 3, 64, 16, 8
     g = torch.Generator().manual_seed(3)
-    cache_dtype = FP8.get(kv_cache_dtype, dtype)
-    k_scale, v_scale = (0.37, 2.5) if kv_cache_dtype != "auto" else (1.0, 1.0)
+    cache_dtype = QUANT.get(kv_cache_dtype, dtype)
+    k_scale, v_scale = (0.37, 2.5) if kv_cache_dtype in FP8 else (1.0, 1.0)
     # Values from 1e-6 (fp8 denormals, underflow) to 1e3 (fp8 saturation / overflow).
     mag = torch.pow(10.0, torch.empty(T, 2 * Hkv, 2 * D).uniform_(-6, 3, generator=g))
     kv_new = (torch.randn(T, 2 * Hkv, 2 * D, generator=g) * mag).to(dtype)
@@ -228,15 +328,48 @@ def test_reshape_and_cache_matches_ref(dtype, kv_cache_dtype):
     value = kv_new[:, Hkv:, D:]
     slots = torch.randperm(nb * B, generator=g)[:T]
     slots[::7] = -1
-    init = torch.randn(nb, Hkv, B, 2 * D, generator=g).to(cache_dtype)
-    expected, got = init.clone(), init.clone()
+    def filled() -> torch.Tensor:  # the same random bytes every call, int8 scales included
+        cache = allocate_kv_cache(nb, B, Hkv, D, cache_dtype)
+        whole = cache.untyped_storage()
+        whole.copy_(torch.randint(-128, 128, (whole.nbytes(),), generator=torch.Generator().manual_seed(5), dtype=torch.int8).untyped_storage())
+        return cache
+
+    def rows(c: torch.Tensor) -> torch.Tensor:  # [nb * B, Hkv * whole row] bytes, scales included
+        return whole_rows(c).view(torch.uint8).permute(0, 2, 1, 3).reshape(nb * B, -1)
+
+    init, expected, got = filled(), filled(), filled()
     ops.reshape_and_cache("ref", key, value, expected, slots, kv_cache_dtype, k_scale, v_scale)
     ops.reshape_and_cache(isa, key, value, got, slots, kv_cache_dtype, k_scale, v_scale)
-    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(rows(got), rows(expected))
     untouched = torch.ones(nb * B, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
-    flat = lambda c: c.permute(0, 2, 1, 3).reshape(nb * B, -1).view(torch.uint8)  # noqa: E731
-    assert torch.equal(flat(got)[untouched], flat(init)[untouched])
+    assert torch.equal(rows(got)[untouched], rows(init)[untouched])
+    assert not torch.equal(rows(got)[~untouched], rows(init)[~untouched])
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_write_rounding_and_scales(src_dtype):
+    """int8 rows: round(x * 127 / max|x|) half to even, the scale max|x| / 127 after the row;
+    a zero row stores zeros with scale 0.  Native and reference agree to the bit."""
+    isa = sorted(NATIVE)[0]
+    D = 64
+    ties = torch.zeros(D)
+    ties[0], ties[1:6] = 127.0, torch.tensor([0.5, 1.5, 2.5, -2.5, -3.5])  # scale 1: exact halves
+    g = torch.Generator().manual_seed(2)
+    x = torch.stack([ties, torch.zeros(D), torch.randn(D, generator=g) * 1e4, torch.randn(D, generator=g) * 1e-3])
+    x = x.to(src_dtype).view(-1, 1, D)
+    caches = [allocate_kv_cache(x.shape[0], 1, 1, D, torch.int8) for _ in range(2)]
+    for which, cache in zip(("ref", isa), caches):
+        ops.reshape_and_cache(which, x, -x, cache, torch.arange(x.shape[0]), "int8", 1.0, 1.0)
+    got, expected = caches[1], caches[0]
+    assert torch.equal(got, expected) and torch.equal(ref.int8_row_scales(got), ref.int8_row_scales(expected))
+    assert got[0, 0, 0, :6].tolist() == [127, 0, 2, 2, -2, -4]  # half to even
+    assert got[0, 0, 0, D : D + 6].tolist() == [-127, 0, -2, -2, 2, 4]
+    assert ref.int8_row_scales(got)[0, 0, 0].tolist() == [1.0, 1.0]
+    assert got[1].abs().sum() == 0 and ref.int8_row_scales(got)[1].abs().sum() == 0
+    for row in (2, 3):  # dequantised within half a step of the row's largest value
+        scale = ref.int8_row_scales(got)[row, 0, 0, 0]
+        assert (got[row, 0, 0, :D].float() * scale - x[row, 0].float()).abs().max() <= scale / 2 * 1.0001
 
 
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -257,16 +390,16 @@ def test_fp8_write_bit_exact_on_random_bit_patterns(kv_cache_dtype, src_dtype):
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e5m2"])
 def test_backend_update_then_forward(kv_cache_dtype):
     """The backend as the layer drives it: write this step's K/V, then attend; native vs ref."""
     H, Hkv, D, B = 9, 3, 64, 16
     impl = CPUAttentionBackendImpl(H, D, D**-0.5, Hkv, kv_cache_dtype, B, torch.bfloat16)
     assert impl.isa != "ref"
     layer = torch.nn.Module()
-    layer.k_scale, layer.v_scale = (1.0, 1.0) if kv_cache_dtype == "auto" else (0.5, 0.25)
+    layer.k_scale, layer.v_scale = (0.5, 0.25) if kv_cache_dtype in FP8 else (1.0, 1.0)
     q_seq = [(1, 33), (1, 200), (24, 24), (16, 80)]
-    cache_dtype = FP8.get(kv_cache_dtype, torch.bfloat16)
+    cache_dtype = QUANT.get(kv_cache_dtype, torch.bfloat16)
     query, kv0, meta = make_case(q_seq, H, Hkv, D, B, torch.bfloat16, cache_dtype, seed=9)
     # slot of each new token: the last query_len positions of its context
     slots = []
@@ -280,13 +413,15 @@ def test_backend_update_then_forward(kv_cache_dtype):
     outs = []
     for isa in (impl.isa, "ref"):
         impl.isa = isa
-        kv = kv0.clone()
+        kv = clone_cache(kv0)
         impl.do_kv_cache_update(layer, key, value, kv, meta.slot_mapping)
         out = torch.empty_like(query)
         impl.forward(layer, query, key, value, kv, meta, out)
         outs.append((kv, out))
     assert torch.equal(outs[0][0].view(torch.uint8), outs[1][0].view(torch.uint8))
-    assert_close(outs[0][1], outs[1][1])
+    if kv_cache_dtype == "int8":
+        assert torch.equal(ref.int8_row_scales(outs[0][0]), ref.int8_row_scales(outs[1][0]))
+    assert_close(outs[0][1], outs[1][1], int8_cache=kv_cache_dtype == "int8")
 
 
 def _best(*candidates):
@@ -375,3 +510,5 @@ def test_bad_arguments_raise():
         native.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, bad_bt, 0.1, output=out)
     with pytest.raises(RuntimeError, match="does not match model dtype"):
         native.run(isa, query, kv.float(), meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
+    with pytest.raises(RuntimeError, match="int8 kv cache rows need their scales"):  # no room after the rows
+        native.run(isa, query, kv.to(torch.int8), meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)

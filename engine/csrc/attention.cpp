@@ -182,6 +182,12 @@ bool cpu_has_vec512() {
   return ok;
 }
 
+// The int8 cache's decode path multiplies int8 keys and queries with vpdpbusd (AVX512-VNNI).
+bool cpu_has_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
 Isa parse_isa(const std::string& name) {
   Isa isa;
   if (name == "vec256") {
@@ -248,10 +254,11 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
     case Isa::kVec512:
       break;
   }
+  if (p.kv_kind == KvKind::kI8 && R <= v512::Int8DecodeOps::kMaxRows && cpu_has_vnni()) return &run_unit<v512::Int8DecodeOps>;
   if (!bf16) return &run_unit<v512::F32Ops>;
   const bool fma = bf16_with_fma();
   if (R <= v512::Bf16DecodeOps::kMaxRows) return fma ? &run_unit<v512::Bf16FmaDecodeOps> : &run_unit<v512::Bf16DecodeOps>;
-  return fma && p.kv_kind == KvKind::kSame ? &run_unit<v512::F32Ops> : &run_unit<v512::Bf16Ops>;
+  return fma && (p.kv_kind == KvKind::kSame || p.kv_kind == KvKind::kI8) ? &run_unit<v512::F32Ops> : &run_unit<v512::Bf16Ops>;
 }
 
 struct Merge {
@@ -290,10 +297,24 @@ void merge_splits(const AttnParams& p, const Merge& mg, const float* partials) {
   }
 }
 
+// The cache tensor: [blocks, kv_heads, block, 2D] with dense rows, in any block / head / row
+// strides; an int8 cache's rows must leave room for their scales (row stride >= 2D + 8 bytes).
+void check_kv_cache(const at::Tensor& kv_cache, int64_t D) {
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(3) == 2 * D && kv_cache.stride(3) == 1,
+              "kv cache must be [blocks, kv_heads, block, 2 * head_size] with a contiguous last dim");
+  const int64_t row = kv_cache.scalar_type() == at::kChar ? 2 * D + kInt8ScaleBytes : 2 * D;
+  TORCH_CHECK(kv_cache.stride(2) >= row && kv_cache.stride(1) >= kv_cache.size(2) * kv_cache.stride(2) &&
+                  kv_cache.stride(0) >= kv_cache.size(1) * kv_cache.stride(1),
+              kv_cache.scalar_type() == at::kChar
+                  ? "int8 kv cache rows need their scales after them (allocate it with the backend's allocate_kv_cache)"
+                  : "kv cache rows overlap");
+}
+
 KvKind kv_kind_of(const at::Tensor& kv_cache, at::ScalarType model) {
   const auto t = kv_cache.scalar_type();
   if (t == at::kFloat8_e4m3fn) return KvKind::kE4M3;
   if (t == at::kFloat8_e5m2) return KvKind::kE5M2;
+  if (t == at::kChar) return KvKind::kI8;
   TORCH_CHECK(t == model, "kv cache dtype ", t, " does not match model dtype ", model);
   return KvKind::kSame;
 }
@@ -315,10 +336,10 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
               "output must match query");
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "query dtype must be bf16 or fp32");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv cache must be contiguous [blocks, kv_heads, block, 2*D]");
-  const int H = query.size(1), D = query.size(2), Hkv = kv_cache.size(1), B = kv_cache.size(2);
+  const int H = query.size(1), D = query.size(2);
+  check_kv_cache(kv_cache, D);
+  const int Hkv = kv_cache.size(1), B = kv_cache.size(2);
   const int64_t NB = kv_cache.size(0);
-  TORCH_CHECK(kv_cache.size(3) == 2 * D, "kv cache last dim must be 2 * head_size");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(D % 16 == 0 && D <= 256, "native attention needs head_size % 16 == 0 and <= 256, got ", D);
   for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_table})
@@ -340,9 +361,9 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
   p.o_sh = output.stride(1);
   p.kv = static_cast<const uint8_t*>(kv_cache.data_ptr());
   p.kv_elt = kv_cache.element_size();
-  p.kv_so = 2 * D;
-  p.kv_sh = static_cast<int64_t>(B) * 2 * D;
-  p.kv_sb = static_cast<int64_t>(Hkv) * B * 2 * D;
+  p.kv_so = kv_cache.stride(2);
+  p.kv_sh = kv_cache.stride(1);
+  p.kv_sb = kv_cache.stride(0);
   p.bt = block_table.data_ptr<int32_t>();
   p.bt_s = block_table.stride(0);
   p.qsl = query_start_loc.data_ptr<int32_t>();
@@ -478,6 +499,16 @@ void store_fp8_row(const Src* src, uint8_t* dst, int D, float scale) {
   for (int d = 0; d < D; ++d) dst[d] = F8(static_cast<float>(src[d]) / scale).x;
 }
 
+// Portable v512::store_int8_row (same arithmetic; nearbyint rounds half to even).
+template <typename Src>
+void store_int8_row(const Src* src, int8_t* dst, int D, float* scale) {
+  float m = 0.f;
+  for (int d = 0; d < D; ++d) m = std::max(m, std::fabs(static_cast<float>(src[d])));
+  const float inv = m > 0.f ? 127.f / m : 0.f;
+  for (int d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(static_cast<float>(src[d]) * inv));
+  *scale = m / 127.f;
+}
+
 }  // namespace
 }  // namespace cpuserve_attn
 
@@ -487,16 +518,17 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type(),
               "key and value must be [tokens, kv_heads, head_size] of one dtype");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value last dim must be contiguous");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv cache must be contiguous [blocks, kv_heads, block, 2*D]");
   const int64_t T = key.size(0), Hkv = key.size(1), D = key.size(2);
+  check_kv_cache(kv_cache, D);
   const int64_t NB = kv_cache.size(0), B = kv_cache.size(2);
-  TORCH_CHECK(kv_cache.size(1) == Hkv && kv_cache.size(3) == 2 * D, "kv cache shape does not match key");
+  TORCH_CHECK(kv_cache.size(1) == Hkv, "kv cache shape does not match key");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.is_contiguous(),
               "slot_mapping must be [tokens]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt, "slot_mapping must be int");
   const auto src_t = key.scalar_type(), dst_t = kv_cache.scalar_type();
   const bool fp8 = dst_t == at::kFloat8_e4m3fn || dst_t == at::kFloat8_e5m2;
-  TORCH_CHECK(fp8 ? (src_t == at::kBFloat16 || src_t == at::kFloat) : src_t == dst_t,
+  const bool int8 = dst_t == at::kChar;
+  TORCH_CHECK(fp8 || int8 ? (src_t == at::kBFloat16 || src_t == at::kFloat) : src_t == dst_t,
               "cannot store ", src_t, " keys into a ", dst_t, " cache");
   std::vector<int64_t> slots(T);
   if (slot_mapping.scalar_type() == at::kLong) {
@@ -515,7 +547,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
   const bool src_bf16 = src_t == at::kBFloat16;
   const KvKind kind = dst_t == at::kFloat8_e4m3fn ? KvKind::kE4M3 : KvKind::kE5M2;
-  const bool use_vec = fp8 && cpu_has_vec512();
+  const bool use_vec = (fp8 || int8) && cpu_has_vec512();
+  const int64_t c_sb = kv_cache.stride(0), c_sh = kv_cache.stride(1), c_so = kv_cache.stride(2);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, Hkv * D));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -523,9 +556,24 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       if (slot < 0) continue;
       const int64_t blk = slot / B, off = slot % B;
       for (int64_t h = 0; h < Hkv; ++h) {
-        uint8_t* dst = cache + (((blk * Hkv + h) * B + off) * 2 * D) * dst_elt;
+        uint8_t* dst = cache + (blk * c_sb + h * c_sh + off * c_so) * dst_elt;
         const uint8_t* ks_row = kp + (t * k_st + h * k_sh) * src_elt;
         const uint8_t* vs_row = vp + (t * v_st + h * v_sh) * src_elt;
+        if (int8) {
+          float sc[2];
+          if (use_vec) {
+            v512::store_int8_row(ks_row, src_bf16, reinterpret_cast<int8_t*>(dst), D, &sc[0]);
+            v512::store_int8_row(vs_row, src_bf16, reinterpret_cast<int8_t*>(dst + D), D, &sc[1]);
+          } else if (src_bf16) {
+            store_int8_row(reinterpret_cast<const c10::BFloat16*>(ks_row), reinterpret_cast<int8_t*>(dst), D, &sc[0]);
+            store_int8_row(reinterpret_cast<const c10::BFloat16*>(vs_row), reinterpret_cast<int8_t*>(dst + D), D, &sc[1]);
+          } else {
+            store_int8_row(reinterpret_cast<const float*>(ks_row), reinterpret_cast<int8_t*>(dst), D, &sc[0]);
+            store_int8_row(reinterpret_cast<const float*>(vs_row), reinterpret_cast<int8_t*>(dst + D), D, &sc[1]);
+          }
+          std::memcpy(dst + 2 * D, sc, sizeof(sc));
+          continue;
+        }
         if (!fp8) {
           std::memcpy(dst, ks_row, D * dst_elt);
           std::memcpy(dst + D * dst_elt, vs_row, D * dst_elt);

@@ -30,16 +30,21 @@ constexpr int RMAX = 64;        // query rows per work unit (tokens x heads of o
 constexpr int MIN_SPLIT = 128;  // fewest keys one split of a long context gets
 constexpr int TOUCH_TILES = 8;  // tiles whose cache lines are loaded in one pass (64 KiB of bf16 K/V)
 
-enum class KvKind : int { kSame = 0, kE4M3 = 1, kE5M2 = 2 };
+enum class KvKind : int { kSame = 0, kE4M3 = 1, kE5M2 = 2, kI8 = 3 };
+
+// An int8 cache row holds a token's K and V for one kv head as D int8 values each, then their
+// two fp32 scales: [K | V | k_scale | v_scale], x ~= value * scale (so its row stride is at least
+// 2D + 8 bytes; the tensor the engine holds is the [..., :2D] view of those rows).
+constexpr int kInt8ScaleBytes = 8;
 
 struct AttnParams {
   const void* q;  // [T, H, D], model dtype
   int64_t q_st, q_sh;
   void* out;  // [T, H, D], model dtype
   int64_t o_st, o_sh;
-  const uint8_t* kv;      // cache base, [NB, Hkv, B, 2D]
+  const uint8_t* kv;      // cache base, [NB, Hkv, B, 2D] (rows dense; an int8 cache's scales follow each row)
   int64_t kv_elt;         // bytes per cache element
-  int64_t kv_sb, kv_sh, kv_so;  // strides (elements) of block, kv head, offset
+  int64_t kv_sb, kv_sh, kv_so;  // strides (elements) of block, kv head, offset (row)
   const int32_t* bt;      // block table [R, maxb]
   int64_t bt_s;
   const int32_t* qsl;     // query_start_loc [R + 1]
@@ -60,6 +65,20 @@ inline int64_t o_offset(const AttnParams& p, int tok, int kvh, int r) {
   return (tok + r / p.G) * p.o_st + (kvh * p.G + r % p.G) * p.o_sh;
 }
 
+// Dequantisation scales of a cache row's K and V: an int8 cache's own, else the layer's (fp8).
+inline float row_k_scale(const AttnParams& p, const uint8_t* row) {
+  if (p.kv_kind != KvKind::kI8) return p.k_scale;
+  float sc;
+  std::memcpy(&sc, row + 2 * p.D, sizeof(float));
+  return sc;
+}
+inline float row_v_scale(const AttnParams& p, const uint8_t* row) {
+  if (p.kv_kind != KvKind::kI8) return p.v_scale;
+  float sc;
+  std::memcpy(&sc, row + 2 * p.D + sizeof(float), sizeof(float));
+  return sc;
+}
+
 // Per-thread scratch, carved from one 64-byte aligned buffer.
 struct Scratch {
   void* q;      // [rows_cap][Dp] compute dtype (bf16 or fp32), zero padded
@@ -76,6 +95,11 @@ struct Scratch {
   int* pos;     // position of each query row [rows_cap]
   const void* krows[KT];  // this tile's K / V rows (cache or dequantised), direct decode paths
   const void* vrows[KT];
+  alignas(64) float ksc[KT];  // int8 decode path: this tile's K and V row scales (0 past n)
+  alignas(64) float vsc[KT];
+  float qsc[8];               // its query rows' int8 scales and sums of their int8 values
+  int32_t qsum[8];
+  float psc[8];               // and the scales of their probabilities rounded to u8
 };
 
 inline Scratch& thread_scratch(const AttnParams& p) {

@@ -76,8 +76,9 @@ static inline __m256 bf16x8_to_ps(const uint16_t* src) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16));
 }
 
-// 8 fp8 values -> exact fp32 (see v512::fp8x16_to_ps).
+// 8 fp8 (or int8) values -> exact fp32 (see v512::fp8x16_to_ps).
 static inline __m256 fp8x8_to_ps(const uint8_t* src, KvKind kind) {
+  if (kind == KvKind::kI8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
   const __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
   if (kind == KvKind::kE5M2) return _mm256_cvtph_ps(_mm_slli_epi16(u, 8));
   const __m128i mag = _mm_and_si128(u, _mm_set1_epi16(0x7f));
@@ -201,12 +202,12 @@ struct Ops {
       const uint8_t* base = rows[i];
       const uint8_t* vbase = base + D * p.kv_elt;
       if (need_k_copy) {
-        row_to_f32(base, cache_bf16, p.kv_kind, p.k_scale, p.model_bf16, D, Dp, krow + i * Dp);
+        row_to_f32(base, cache_bf16, p.kv_kind, row_k_scale(p, base), p.model_bf16, D, Dp, krow + i * Dp);
         krows[i] = krow + i * Dp;
       } else {
         krows[i] = reinterpret_cast<const float*>(base);
       }
-      row_to_f32(vbase, cache_bf16, p.kv_kind, p.v_scale, p.model_bf16, D, Dp, vd);
+      row_to_f32(vbase, cache_bf16, p.kv_kind, row_v_scale(p, base), p.model_bf16, D, Dp, vd);
     }
     float* kt = static_cast<float*>(s.kt);
     for (int h = 0; h < KT / 8; ++h) {

@@ -61,10 +61,11 @@ static inline void transpose16(__m512i r[16]) {
   }
 }
 
-// 16 fp8 values (n valid, rest 0) -> exact fp32.  e5m2 is the top byte of an fp16;
+// 16 fp8 (or int8) values (n valid, rest 0) -> exact fp32.  e5m2 is the top byte of an fp16;
 // e4m3fn's 7 magnitude bits shifted into an fp16 are the value * 2^-8 (denormals
 // included), and 0x7f / 0xff are NaN (e4m3fn has no infinity).
 static inline __m512 fp8x16_to_ps(const uint8_t* src, int n, KvKind kind) {
+  if (kind == KvKind::kI8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask16(n), src)));
   const __m256i u = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask16(n), src));
   if (kind == KvKind::kE5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(u, 8));
   const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi16(0x7f));
@@ -74,7 +75,7 @@ static inline __m512 fp8x16_to_ps(const uint8_t* src, int n, KvKind kind) {
   return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 
-// fp8 row (D values) -> bf16(x * scale), Dp values (zero padded).
+// fp8 / int8 row (D values) -> bf16(x * scale), Dp values (zero padded).
 static inline void dequant_row_bf16(const uint8_t* src, int D, int Dp, KvKind kind, float scale, uint16_t* dst) {
   const __m512 sc = _mm512_set1_ps(scale);
   for (int d0 = 0; d0 < Dp; d0 += 32) {
@@ -84,7 +85,7 @@ static inline void dequant_row_bf16(const uint8_t* src, int D, int Dp, KvKind ki
   }
 }
 
-// fp8 row -> fp32(x * scale), Dp values (zero padded).
+// fp8 / int8 row -> fp32(x * scale), Dp values (zero padded).
 static inline void dequant_row_f32(const uint8_t* src, int D, int Dp, KvKind kind, float scale, float* dst) {
   const __m512 sc = _mm512_set1_ps(scale);
   for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(dst + d0, _mm512_mul_ps(fp8x16_to_ps(src + d0, D - d0, kind), sc));
@@ -330,8 +331,8 @@ struct Bf16Ops {
       } else {
         uint16_t* kd = static_cast<uint16_t*>(s.krow) + i * Dp;
         uint16_t* vd = static_cast<uint16_t*>(s.vrow) + i * Dp;
-        dequant_row_bf16(base, D, Dp, p.kv_kind, p.k_scale, kd);
-        dequant_row_bf16(base + D, D, Dp, p.kv_kind, p.v_scale, vd);
+        dequant_row_bf16(base, D, Dp, p.kv_kind, row_k_scale(p, base), kd);
+        dequant_row_bf16(base + D, D, Dp, p.kv_kind, row_v_scale(p, base), vd);
         krows[i] = kd;
         vrows[i] = vd;
       }
@@ -573,8 +574,8 @@ struct Bf16DecodeOps {
       } else {
         uint16_t* kd = static_cast<uint16_t*>(s.krow) + i * Dp;
         uint16_t* vd = static_cast<uint16_t*>(s.vrow) + i * Dp;
-        dequant_row_bf16(rows[i], D, Dp, p.kv_kind, p.k_scale, kd);
-        dequant_row_bf16(rows[i] + D, D, Dp, p.kv_kind, p.v_scale, vd);
+        dequant_row_bf16(rows[i], D, Dp, p.kv_kind, row_k_scale(p, rows[i]), kd);
+        dequant_row_bf16(rows[i] + D, D, Dp, p.kv_kind, row_v_scale(p, rows[i]), vd);
         s.krows[i] = kd;
         s.vrows[i] = vd;
       }
@@ -779,8 +780,8 @@ struct F32Ops {
         for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_maskz_loadu_ps(mask16(D - d0), row + D + d0));
       } else {
         float* kd = static_cast<float*>(s.krow) + i * Dp;
-        dequant_row_f32(base, D, Dp, p.kv_kind, p.k_scale, kd);
-        dequant_row_f32(base + D, D, Dp, p.kv_kind, p.v_scale, vd);
+        dequant_row_f32(base, D, Dp, p.kv_kind, row_k_scale(p, base), kd);
+        dequant_row_f32(base + D, D, Dp, p.kv_kind, row_v_scale(p, base), vd);
         krows[i] = kd;
       }
     }
@@ -855,6 +856,219 @@ struct F32Ops {
     }
   }
 };
+
+// ---------------------------------------------------------------- int8 cache, few query rows
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c")
+
+// Decode over an int8 cache reads half the bytes of a bf16 one, and both products run as VNNI
+// int8 dot products (vpdpbusd: 64 multiply-adds, u8 x s8, per instruction).  K . q: each query
+// row is rounded to int8 with its own scale (max |q| / 127); the keys' rows are transposed in
+// registers 16 keys x 64 values at a time, and their sign bits flipped to make them the unsigned
+// operand (k + 128), which adds 128 * sum(q) to every score, taken back out before the two scales.
+// P . V: the probabilities, times the keys' V scales, rounded to u8 per row and tile of 32 keys.
+
+// S[r][0, KT) for RB int8 query rows (qs bytes apart, zero past D) against up to KT int8 key rows.
+template <int RB>
+static inline void qk_int8(const int8_t* q, int qs, const float* qsc, const int32_t* qsum, const void* const* krows,
+                           const float* ksc, int D, int n, float* S) {
+  // Independent accumulator chains: one per row alone would wait on vpdpbusd's latency.
+  constexpr int NS = RB >= 6 ? 1 : RB >= 3 ? 2 : RB == 2 ? 4 : 8;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int h = 0; h < KT / 16; ++h) {
+    if (h * 16 >= n) {
+      for (int r = 0; r < RB; ++r) _mm512_store_ps(S + r * KT + h * 16, _mm512_setzero_ps());
+      continue;
+    }
+    __m512i acc[RB][NS];
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+      for (int i = 0; i < NS; ++i) acc[r][i] = _mm512_setzero_si512();
+    for (int c = 0; c * 64 < D; ++c) {
+      const __mmask64 mk = D - c * 64 >= 64 ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << (D - c * 64)) - 1;
+      __m512i t[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        t[i] = h * 16 + i < n ? _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, static_cast<const int8_t*>(krows[h * 16 + i]) + c * 64), flip)
+                              : _mm512_setzero_si512();
+      transpose16(t);  // t[j]: the 16 keys' values 4j .. 4j + 3 of this chunk
+      const int32_t* q4 = reinterpret_cast<const int32_t*>(q) + c * 16;
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r)
+          acc[r][j % NS] = _mm512_dpbusd_epi32(acc[r][j % NS], t[j], _mm512_set1_epi32(q4[r * (qs / 4) + j]));
+    }
+    const __m512 ks = _mm512_load_ps(ksc + h * 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      __m512i sum = acc[r][0];
+#pragma GCC unroll 8
+      for (int i = 1; i < NS; ++i) sum = _mm512_add_epi32(sum, acc[r][i]);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qsum[r])));
+      _mm512_store_ps(S + r * KT + h * 16, _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(qsc[r])), ks));
+    }
+  }
+}
+
+// O[r] = O[r] * alpha[r] + psc[r] * sum_j Pq[r][j] V[j] for RB <= 4 rows.  Pq: each row's
+// probabilities (times the keys' V scales) rounded to u8 against the tile's largest (scale psc),
+// four keys to a dword, KT bytes a row.  Four keys' int8 V rows are interleaved in registers so
+// that each dword lane holds the four keys' values of one dimension; the lanes come out in the
+// order 16L + 4k + i (128-bit lane L of the k-th vector) and are put back with a 4 x 4 transpose
+// of 128-bit lanes per 64 dimensions.
+template <int RB>
+static inline void pv_int8_rows(const int32_t* Pq, const float* psc, const void* const* vrows, int D, int Dp, int n,
+                                float* O, const float* alpha) {
+  const int ngroups = (n + 3) / 4;
+  for (int c = 0; c * 64 < D; ++c) {
+    const __mmask64 mk = D - c * 64 >= 64 ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << (D - c * 64)) - 1;
+    __m512i acc[RB][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_si512();
+    for (int g = 0; g < ngroups; ++g) {
+      __m512i v[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i)
+        v[i] = 4 * g + i < n ? _mm512_maskz_loadu_epi8(mk, static_cast<const int8_t*>(vrows[4 * g + i]) + c * 64) : _mm512_setzero_si512();
+      const __m512i t0 = _mm512_unpacklo_epi8(v[0], v[1]), t1 = _mm512_unpackhi_epi8(v[0], v[1]);
+      const __m512i t2 = _mm512_unpacklo_epi8(v[2], v[3]), t3 = _mm512_unpackhi_epi8(v[2], v[3]);
+      const __m512i u[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2), _mm512_unpacklo_epi16(t1, t3),
+                            _mm512_unpackhi_epi16(t1, t3)};
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
+        const __m512i pb = _mm512_set1_epi32(Pq[r * KT + g]);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbusd_epi32(acc[r][k], pb, u[k]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const __m512 f0 = _mm512_cvtepi32_ps(acc[r][0]), f1 = _mm512_cvtepi32_ps(acc[r][1]);
+      const __m512 f2 = _mm512_cvtepi32_ps(acc[r][2]), f3 = _mm512_cvtepi32_ps(acc[r][3]);
+      const __m512 lo01 = _mm512_shuffle_f32x4(f0, f1, 0x44), hi01 = _mm512_shuffle_f32x4(f0, f1, 0xEE);
+      const __m512 lo23 = _mm512_shuffle_f32x4(f2, f3, 0x44), hi23 = _mm512_shuffle_f32x4(f2, f3, 0xEE);
+      const __m512 nat[4] = {_mm512_shuffle_f32x4(lo01, lo23, 0x88), _mm512_shuffle_f32x4(lo01, lo23, 0xDD),
+                             _mm512_shuffle_f32x4(hi01, hi23, 0x88), _mm512_shuffle_f32x4(hi01, hi23, 0xDD)};
+      const __m512 a = _mm512_set1_ps(alpha[r]), sc = _mm512_set1_ps(psc[r]);
+      float* o = O + static_cast<int64_t>(r) * Dp + c * 64;
+#pragma GCC unroll 4
+      for (int L = 0; L < 4; ++L)
+        if (c * 64 + 16 * L < D) _mm512_store_ps(o + 16 * L, _mm512_fmadd_ps(nat[L], sc, _mm512_mul_ps(_mm512_load_ps(o + 16 * L), a)));
+    }
+  }
+}
+
+struct Int8DecodeOps {
+  static constexpr int kMaxRows = 8;
+  static void begin(const AttnParams&, Scratch&, int) {}
+  static void end() {}
+
+  // Query rows -> int8 rows of Dq = D rounded up to 64 bytes (zero padded), with scale and sum.
+  __attribute__((noinline)) static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    (void)ntok;
+    const int Dq = (p.D + 63) / 64 * 64;
+    int8_t* q = static_cast<int8_t*>(s.q);
+    alignas(64) float row[256];
+    for (int r = 0; r < R; ++r) {
+      const int64_t off = q_offset(p, tok, kvh, r);
+      __m512 amax = _mm512_setzero_ps();
+      for (int d0 = 0; d0 < Dq; d0 += 16) {
+        const __mmask16 mk = mask16(p.D - d0);
+        const __m512 x = p.model_bf16 ? widen_bf16x16(_mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(p.q) + off + d0))
+                                      : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(p.q) + off + d0);
+        _mm512_store_ps(row + d0, x);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(x));
+      }
+      const float m = _mm512_reduce_max_ps(amax);
+      const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+      __m512i sum = _mm512_setzero_si512();
+      for (int d0 = 0; d0 < Dq; d0 += 16) {
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(row + d0), inv));
+        sum = _mm512_add_epi32(sum, qi);
+        _mm_store_si128(reinterpret_cast<__m128i*>(q + r * Dq + d0), _mm512_cvtepi32_epi8(qi));
+      }
+      s.qsc[r] = m / 127.f;
+      s.qsum[r] = _mm512_reduce_add_epi32(sum);
+    }
+  }
+
+  __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
+    const uint8_t* rows[KT];
+    gather_rows(p, bt_row, kvh, k0, n, rows);
+    for (int i = 0; i < n; ++i) {
+      s.krows[i] = rows[i];
+      s.vrows[i] = rows[i] + p.D;
+      s.ksc[i] = row_k_scale(p, rows[i]);
+      s.vsc[i] = row_v_scale(p, rows[i]);
+    }
+    for (int i = n; i < KT; ++i) s.ksc[i] = s.vsc[i] = 0.f;
+  }
+
+  __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
+    const int8_t* q = static_cast<const int8_t*>(s.q);
+    const int Dq = (p.D + 63) / 64 * 64;
+    with_rows_upto8(R, [&](auto rb) { qk_int8<decltype(rb)::value>(q, Dq, s.qsc, s.qsum, s.krows, s.ksc, p.D, n, s.S); });
+  }
+
+  __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
+    softmax_tile<false>(p, s, R, k0, n, masked);
+  }
+
+  // P (softmax has summed it already) times the keys' V scales, rounded to u8 per row in place
+  // (the row's first KT bytes), then the int8 products four rows at a time.
+  __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
+    float* P = static_cast<float*>(s.P);
+    for (int r = 0; r < R; ++r) {
+      const __m512 p0 = _mm512_mul_ps(_mm512_load_ps(P + r * KT), _mm512_load_ps(s.vsc));
+      const __m512 p1 = _mm512_mul_ps(_mm512_load_ps(P + r * KT + 16), _mm512_load_ps(s.vsc + 16));
+      const float m = _mm512_reduce_max_ps(_mm512_max_ps(p0, p1));
+      const __m512 inv = _mm512_set1_ps(m > 0.f ? 255.f / m : 0.f);
+      uint8_t* q = reinterpret_cast<uint8_t*>(P + r * KT);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(p0, inv))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(p1, inv))));
+      s.psc[r] = m / 255.f;
+    }
+    for (int r0 = 0; r0 < R; r0 += 4) {
+      const int32_t* Pq = reinterpret_cast<const int32_t*>(P + r0 * KT);
+      float* O = s.O + static_cast<int64_t>(r0) * p.Dp;
+      switch (std::min(4, R - r0)) {
+        case 1: pv_int8_rows<1>(Pq, s.psc + r0, s.vrows, p.D, p.Dp, n, O, s.alpha + r0); break;
+        case 2: pv_int8_rows<2>(Pq, s.psc + r0, s.vrows, p.D, p.Dp, n, O, s.alpha + r0); break;
+        case 3: pv_int8_rows<3>(Pq, s.psc + r0, s.vrows, p.D, p.Dp, n, O, s.alpha + r0); break;
+        default: pv_int8_rows<4>(Pq, s.psc + r0, s.vrows, p.D, p.Dp, n, O, s.alpha + r0); break;
+      }
+    }
+  }
+
+  static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) { F32Ops::store(p, s, tok, ntok, kvh, R); }
+};
+
+#pragma GCC pop_options
+
+// int8 cache write: one row of D values (bf16 or fp32) -> round(x * 127 / max|x|), its scale
+// max|x| / 127 (0 for a zero row).  Bit-exact with ref.quantize_int8_rows: the same fp32
+// division and product, rounded half to even.
+static void store_int8_row(const void* src, bool src_bf16, int8_t* dst, int D, float* scale) {
+  alignas(64) float row[256];
+  __m512 amax = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 16) {
+    const __mmask16 mk = mask16(D - d);
+    const __m512 x = src_bf16 ? widen_bf16x16(_mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(src) + d))
+                              : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(src) + d);
+    _mm512_store_ps(row + d, x);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(x));
+  }
+  const float m = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+  for (int d = 0; d < D; d += 16)
+    _mm_mask_storeu_epi8(dst + d, mask16(D - d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(row + d), inv))));
+  *scale = m / 127.f;
+}
 
 // Time of one dpbf16 over one FMA on this core, each in 12 independent chains (throughput,
 // not latency), best of 5 alternating runs of 24k instructions: ~0.1 ms, once per process.

@@ -71,7 +71,33 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    return {"auto": model_dtype, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+    return {
+        "auto": model_dtype, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8,
+    }[kv_cache_dtype]
+
+
+def _row_bytes(head_size: int, cache_dtype: torch.dtype) -> int:
+    """Bytes per cache row (one token, one kv head): K and V, and an int8 cache's two scales."""
+    elem = torch.empty(0, dtype=cache_dtype).element_size()
+    return 2 * head_size * elem + (ref.INT8_SCALE_BYTES if cache_dtype == torch.int8 else 0)
+
+
+def kv_cache_bytes_per_block(block_size: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype) -> int:
+    """Bytes one block takes in one layer's cache."""
+    return num_kv_heads * block_size * _row_bytes(head_size, cache_dtype)
+
+
+def allocate_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype
+) -> torch.Tensor:
+    """One layer's cache, shaped ``get_kv_cache_shape``.  An int8 cache is the [..., :2 * head_size]
+    view of rows that carry their scales after them (``ref.int8_row_scales``), so it is still one
+    tensor per layer.  torch.empty: pages become resident as blocks fill."""
+    shape = CPUAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    if cache_dtype != torch.int8:
+        return torch.empty(shape, dtype=cache_dtype)
+    rows = torch.empty(*shape[:-1], _row_bytes(head_size, cache_dtype), dtype=torch.int8)
+    return rows[..., : shape[-1]]
 
 
 def _get_attn_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
@@ -123,7 +149,8 @@ class CPUAttentionBackendImpl:
         """Write each new token's K and V into its slot; padding slots (< 0) are skipped.
 
         ``key``/``value``: [num_tokens, num_kv_heads, head_size] in the model dtype.
-        fp8 caches store ``x / scale`` with the layer's ``k_scale`` / ``v_scale``.
+        fp8 caches store ``x / scale`` with the layer's ``k_scale`` / ``v_scale``; int8 caches
+        store each row with its own scale (``ref.quantize_int8_rows``).
         """
         ops.reshape_and_cache(
             self.isa, key, value, kv_cache, slot_mapping, self.kv_cache_dtype, layer.k_scale, layer.v_scale

@@ -13,7 +13,9 @@ ISAs (``engine/csrc/attention.cpp``):
   Work units of fewer than 4 query rows (``CPUSERVE_ATTN_AMX_MIN_ROWS``; decode of a
   3-head GQA group, say) take the vec512 path.
 
-All of them read fp8 (e4m3fn / e5m2) caches, dequantising on load.  The extension is
+All of them read fp8 (e4m3fn / e5m2) and int8 caches, dequantising on load, except vec512's decode
+path over an int8 cache (units of <= 8 query rows), which multiplies int8 queries and u8
+probabilities with the int8 keys and values in VNNI dot products (``attention_vec512.h``).  The extension is
 built once (``python -m engine.native``); without it every call runs the ``ref`` kernels.
 """
 
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from engine.attention.backends.cpu import CPUAttentionMetadata
 
 HEAD_SIZES = frozenset({64, 80, 96, 128})
-KV_CACHE_DTYPES = frozenset({"auto", "fp8_e4m3", "fp8_e5m2"})
+KV_CACHE_DTYPES = frozenset({"auto", "int8", "fp8_e4m3", "fp8_e5m2"})
 # Block sizes: the kernels gather keys 32 at a time from any block size; AMX keeps
 # whole 16-row tiles per block, the vector ISAs 8-key rows.
 _BLOCK_MULTIPLE = {"amx": 16, "vec512": 8, "vec256": 8}

@@ -81,14 +81,16 @@ def self_check(isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv
     """
     import logging
 
-    from engine.attention.backends.cpu import CPUAttentionMetadata, kv_cache_torch_dtype
+    from engine.attention.backends.cpu import CPUAttentionMetadata, allocate_kv_cache, kv_cache_torch_dtype
 
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, num_blocks = 4, 2, 8
     q_lens, seq_lens = [1, 1, 7, 5], [9, 40, 7, 37]  # two decodes, a fresh prompt, a chunk after context
     cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
     try:
-        kv = (torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=gen) * 0.5).to(cache_dtype)
+        kv = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
+        kv_rows = torch.randn(2, num_blocks * block_size, num_kv_heads, head_size, generator=gen) * 0.5
+        ref.reshape_and_cache(kv_rows[0], kv_rows[1], kv, torch.arange(num_blocks * block_size), 1.0, 1.0)
         table = torch.randperm(num_blocks, generator=gen).to(torch.int32).repeat(len(seq_lens), 1)
         qsl = [0]
         for n in q_lens:

@@ -1,14 +1,39 @@
 """Portable pure-torch attention kernels: the reference every native kernel is tested against.
 
 Also the fallback on CPUs or configurations no native kernel covers, so it must
-be correct for every case the backend accepts: fp8 caches, GQA, mixed batches of
-decodes and prompt chunks that start after cached context.
+be correct for every case the backend accepts: fp8 and int8 caches, GQA, mixed
+batches of decodes and prompt chunks that start after cached context.
+
+An int8 cache stores each token's K and V (per kv head) as int8 with one fp32 scale each,
+max|x| / 127, kept right after the row: [K | V | k_scale | v_scale], so its rows are
+``2 * head_size + INT8_SCALE_BYTES`` bytes apart and the cache tensor is the
+``[..., :2 * head_size]`` view of them (``int8_row_scales`` is the view of the scales).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+INT8_SCALE_BYTES = 8  # two fp32 scales after each int8 cache row
+
+
+def int8_row_scales(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, num_kv_heads, block_size, 2] fp32 view of an int8 cache's (k_scale, v_scale) per row."""
+    nb, hkv, bs, row = kv_cache.shape
+    s0, s1, s2, _ = kv_cache.stride()
+    whole = torch.as_strided(kv_cache, (nb, hkv, bs, s2), (s0, s1, s2, 1))
+    return whole[..., row : row + INT8_SCALE_BYTES].view(torch.float32)
+
+
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last dim -> int8 round(x * 127 / max|x|) (half to even) and the scale max|x| / 127 (0 for zeros)."""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    # A true division (``127.0 / amax`` would multiply by amax's reciprocal), as the native write does.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(x * inv).to(torch.int8), (amax / 127.0).squeeze(-1)
 
 
 def _store(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -39,6 +64,12 @@ def reshape_and_cache(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
+    if kv_cache.dtype == torch.int8:
+        (kq, ks), (vq, vs) = quantize_int8_rows(key), quantize_int8_rows(value)
+        kv_cache[blocks, :, offsets, :head_size] = kq
+        kv_cache[blocks, :, offsets, head_size:] = vq
+        int8_row_scales(kv_cache)[blocks, :, offsets] = torch.stack([ks, vs], -1)
+        return
     kv_cache[blocks, :, offsets, :head_size] = _store(key, kv_cache.dtype, k_scale)
     kv_cache[blocks, :, offsets, head_size:] = _store(value, kv_cache.dtype, v_scale)
 
@@ -49,8 +80,16 @@ def _gather_context(
     """K and V of one request's first ``seq_len`` positions: [num_kv_heads, seq_len, head_size] each."""
     head_size = kv_cache.shape[-1] // 2
     num_blocks = -(-seq_len // kv_cache.shape[2])
-    ctx = kv_cache[block_ids[:num_blocks]]  # [nb, Hkv, B, 2D]
-    ctx = ctx.permute(1, 0, 2, 3).reshape(kv_cache.shape[1], -1, 2 * head_size)[:, :seq_len]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [nb, Hkv, B, X] -> [Hkv, seq_len, X]
+        t = t[block_ids[:num_blocks]]
+        return t.permute(1, 0, 2, 3).reshape(t.shape[1], -1, t.shape[-1])[:, :seq_len]
+
+    ctx = rows(kv_cache)
+    if kv_cache.dtype == torch.int8:
+        sc = rows(int8_row_scales(kv_cache))
+        k = (ctx[..., :head_size].float() * sc[..., :1]).to(dtype)
+        return k, (ctx[..., head_size:].float() * sc[..., 1:]).to(dtype)
     return _load(ctx[..., :head_size], dtype, k_scale), _load(ctx[..., head_size:], dtype, v_scale)
 
 
