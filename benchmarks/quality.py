@@ -65,16 +65,16 @@ def route_every_batch_to_rows_int8(engine: LLMEngine) -> None:
 
 
 VARIANTS = [
-    Variant("bf16, dense weights", "bfloat16", "none"),
+    Variant("bf16, dense weights, bf16 KV cache", "bfloat16", "none", "bfloat16"),
     # The default: 16-bit activations up to 4 rows (every decode step here), int8 above, the
-    # row-int8 copies from the batch size timed at load (6-20 rows: the prompts).
-    Variant("bf16, packed Q4/Q8 blocks (default: a16 <= 4 rows, int8 above, row-int8 from the timed switch)", "bfloat16", "auto"),
+    # row-int8 copies from the batch size timed at load (6-20 rows: the prompts); int8 KV cache.
+    Variant("bf16, packed Q4/Q8 blocks (default: a16 <= 4 rows, int8 above, row-int8 from the timed switch, int8 KV)", "bfloat16", "auto"),
+    Variant("bf16, packed blocks as the default, bf16 KV cache", "bfloat16", "auto", "bfloat16"),
     # What batches of 5 rows up to the row-int8 switch get by default (and every large batch with
     # --large-batch-matmul int8).
     Variant("bf16, packed blocks, int8 activations everywhere", "bfloat16", "auto", env={"CPUSERVE_PACKED_ACT_BITS": "8"}),
     # What batches from the row-int8 switch on get by default.
     Variant("bf16, row-int8 copies everywhere", "bfloat16", "auto", every_batch_on_rows_int8=True),
-    Variant("bf16, packed blocks, int8 KV cache", "bfloat16", "auto", "int8"),
     Variant("bf16, packed blocks, fp8 e4m3 KV cache", "bfloat16", "auto", "fp8_e4m3"),
     Variant("fp32, packed blocks, 16-bit activations", "float32", "auto"),
 ]

@@ -226,6 +226,45 @@ def test_native_packed_layers_match_the_modular_path(loaded, dtype):
     assert all(len(v) == 8 for v in native.values()) and len(native) == len(prompts)
 
 
+def test_bf16_runs_default_to_an_int8_kv_cache_with_nearly_twice_the_tokens():
+    """``auto`` is int8 for bfloat16 runs (one scale per token and kv head: 136 bytes a row against
+    bf16's 256, so ~1.9x the tokens in the same memory), float32 for float32 runs; explicit types
+    pass through, and a bf16 cache under a float32 run is refused."""
+    assert EngineConfig(dtype="bfloat16").cache.kv_cache_dtype == "int8"
+    assert EngineConfig(dtype="float32").cache.kv_cache_dtype == "float32"
+    assert EngineConfig(dtype="bfloat16", cache=CacheConfig(kv_cache_dtype="bfloat16")).cache.kv_cache_dtype == "bfloat16"
+    mine = CacheConfig()
+    EngineConfig(dtype="bfloat16", cache=mine)
+    assert mine.kv_cache_dtype == "auto"  # resolved on a copy: the caller's config is not changed
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 needs dtype bfloat16"):
+        EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_dtype="bfloat16"))
+    bf16 = load_model("default", torch.bfloat16)
+    blocks = {
+        kv: LLMEngine(
+            EngineConfig(
+                model="default",
+                cache=CacheConfig(kv_cache_gb=0.05, kv_cache_dtype=kv),
+                scheduler=SchedulerConfig(max_model_len=1024),
+            ),
+            loaded=bf16,
+        ).runner.num_blocks
+        for kv in ("auto", "bfloat16")
+    }
+    assert 1.85 < blocks["auto"] / blocks["bfloat16"] < 1.9
+
+
+def test_int8_kv_cache_is_batch_invariant():
+    """The int8 cache's decode path works per request and kv head, so a prompt's greedy tokens do
+    not depend on what it is batched with (or on chunked prefill)."""
+    bf16 = load_model("default", torch.bfloat16)
+    engine = make_engine(bf16, dtype="bfloat16")
+    assert engine.config.cache.kv_cache_dtype == "int8"
+    alone = run(engine, PROMPTS[:1])[0]["0"]
+    assert run(engine, PROMPTS)[0]["0"] == alone
+    chunked = make_engine(bf16, dtype="bfloat16", max_batched=8)
+    assert run(chunked, PROMPTS[:4])[0]["0"] == alone
+
+
 def test_batch_layout_of_a_mixed_step():
     """The model runner's batch for decodes, a prompt chunk after cached context and a fresh prompt
     asking for prompt logprobs: token ids, positions, KV slots (block_id * block_size + offset),

@@ -41,5 +41,7 @@ def test_bad_settings_fail_before_loading() -> None:
     assert r.returncode != 0 and "block_size" in r.stderr and "Traceback" not in r.stderr
     r = run(CPUSERVE_PORT="not-a-port")
     assert r.returncode != 0 and "CPUSERVE_PORT" in r.stderr and "Traceback" not in r.stderr
+    r = run("--kv-cache-dtype", "bfloat16", "--dtype", "float32")
+    assert r.returncode != 0 and "kv_cache_dtype bfloat16 needs dtype bfloat16" in r.stderr and "Traceback" not in r.stderr
     r = run(CPUSERVE_MODEL="/nonexistent/from-env")
     assert r.returncode != 0 and "/nonexistent/from-env" in r.stderr

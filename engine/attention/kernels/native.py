@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from engine.attention.backends.cpu import CPUAttentionMetadata
 
 HEAD_SIZES = frozenset({64, 80, 96, 128})
-KV_CACHE_DTYPES = frozenset({"auto", "int8", "fp8_e4m3", "fp8_e5m2"})
+# "auto", "bfloat16", "float32": the model dtype (the C++ checks that the cache's matches).
+KV_CACHE_DTYPES = frozenset({"auto", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"})
 # Block sizes: the kernels gather keys 32 at a time from any block size; AMX keeps
 # whole 16-row tiles per block, the vector ISAs 8-key rows.
 _BLOCK_MULTIPLE = {"amx": 16, "vec512": 8, "vec256": 8}
