@@ -7,7 +7,7 @@ The CLI (``service/__main__.py``) and the offline ``LLM`` class both build an
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -63,7 +63,8 @@ def default_num_threads() -> int:
 class CacheConfig:
     block_size: int = 16
     kv_cache_gb: Optional[float] = None  # None: default_kv_cache_gb()
-    # "auto": int8 for bfloat16 runs, float32 for float32 ones (EngineConfig resolves it); "bfloat16" /
+    # "auto": int8 for bfloat16 runs where the CPU has the int8 decode attention (AVX-512 VNNI), else
+    # the run dtype (the engine resolves it: backends.cpu.resolve_kv_cache_dtype); "bfloat16" /
     # "float32": the run dtype, unrounded; "int8": one scale per token and kv head; "fp8_e4m3", "fp8_e5m2".
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
@@ -125,12 +126,6 @@ class EngineConfig:
         kv = self.cache.kv_cache_dtype
         if kv in _DTYPES and kv != self.dtype:
             raise ValueError(f"kv_cache_dtype {kv} needs dtype {kv} (this run's dtype is {self.dtype})")
-        # A copy with "auto" resolved, so that everything below reads the storage type it gets.  int8
-        # for bfloat16 runs: decode attention reads half the bytes and runs on VNNI dot products (32
-        # streams: attention 11.8 -> 7.7 ms a step), greedy agreement with the float32 reference
-        # within ~0.5 point of the bf16 cache's (benchmarks.quality).
-        if kv == "auto":
-            self.cache = replace(self.cache, kv_cache_dtype="int8" if self.dtype == "bfloat16" else self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -8,6 +8,7 @@ runs the step loop on its own thread for the HTTP service.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import itertools
 import logging
@@ -17,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from engine.attention.backends.cpu import kv_cache_torch_dtype
+from engine.attention.backends.cpu import kv_cache_torch_dtype, resolve_kv_cache_dtype
 from engine.config import EngineConfig, default_kv_cache_gb
 from engine.kv_cache import KVCacheManager
 from engine.loader import LoadedModel, load_model
@@ -66,6 +67,12 @@ class LLMEngine:
         t0 = time.monotonic()
         loaded = loaded or load_model(config.model, config.torch_dtype, progress=progress)
         self.model_config = loaded.config
+        # "auto" KV cache resolved for this model and CPU, on a copy: everything below (the layers,
+        # block sizing, the start-up log) reads the storage type it gets.
+        kv_dtype = resolve_kv_cache_dtype(
+            config.cache.kv_cache_dtype, config.torch_dtype, config.cache.block_size, loaded.config.head_dim
+        )
+        config = self.config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype=kv_dtype))
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_model_name or default_model_name(loaded.source)
         self.max_model_len = min(

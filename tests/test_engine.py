@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention.backends.cpu import _get_attn_isa
+from engine.attention.kernels import ops
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine, RequestError
 from engine.loader import load_model
@@ -40,12 +42,12 @@ def loaded():
     return load_model("default", torch.float32)
 
 
-def make_engine(loaded, num_blocks=512, max_batched=2048, max_seqs=64, prefix=True, dtype="float32") -> LLMEngine:
+def make_engine(loaded, num_blocks=512, max_batched=2048, max_seqs=64, prefix=True, dtype="float32", kv="auto") -> LLMEngine:
     cfg = EngineConfig(
         model="default",
         dtype=dtype,
         weight_quant="none",
-        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix),
+        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix, kv_cache_dtype=kv),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs),
     )
     return LLMEngine(cfg, loaded=loaded)
@@ -226,42 +228,40 @@ def test_native_packed_layers_match_the_modular_path(loaded, dtype):
     assert all(len(v) == 8 for v in native.values()) and len(native) == len(prompts)
 
 
-def test_bf16_runs_default_to_an_int8_kv_cache_with_nearly_twice_the_tokens():
-    """``auto`` is int8 for bfloat16 runs (one scale per token and kv head: 136 bytes a row against
-    bf16's 256, so ~1.9x the tokens in the same memory), float32 for float32 runs; explicit types
-    pass through, and a bf16 cache under a float32 run is refused."""
-    assert EngineConfig(dtype="bfloat16").cache.kv_cache_dtype == "int8"
-    assert EngineConfig(dtype="float32").cache.kv_cache_dtype == "float32"
-    assert EngineConfig(dtype="bfloat16", cache=CacheConfig(kv_cache_dtype="bfloat16")).cache.kv_cache_dtype == "bfloat16"
+def test_kv_cache_auto_is_int8_where_decode_multiplies_it_as_int8(loaded):
+    """``auto`` stores int8 for bfloat16 runs on CPUs whose decode attention multiplies int8 rows
+    directly (AVX-512 VNNI), else the run's dtype; int8 rows take 136 bytes against bf16's 256, so
+    the same memory holds ~1.9x the tokens.  A bf16 cache under a float32 run is refused."""
+    bf16 = load_model("default", torch.bfloat16)
+
+    def engine(kv: str) -> LLMEngine:
+        cfg = EngineConfig(
+            model="default",
+            cache=CacheConfig(kv_cache_gb=0.05, kv_cache_dtype=kv),
+            scheduler=SchedulerConfig(max_model_len=1024),
+        )
+        return LLMEngine(cfg, loaded=bf16)
+
+    isa = _get_attn_isa(torch.bfloat16, 16, bf16.config.head_dim, "int8")
     mine = CacheConfig()
-    EngineConfig(dtype="bfloat16", cache=mine)
+    auto = LLMEngine(EngineConfig(model="default", cache=mine), loaded=bf16)
+    assert auto.config.cache.kv_cache_dtype == ("int8" if ops.int8_decode_path(isa) else "bfloat16")
     assert mine.kv_cache_dtype == "auto"  # resolved on a copy: the caller's config is not changed
+    assert make_engine(loaded, num_blocks=8).config.cache.kv_cache_dtype == "float32"
+    blocks = {kv: engine(kv).runner.num_blocks for kv in ("int8", "bfloat16")}
+    assert 1.85 < blocks["int8"] / blocks["bfloat16"] < 1.9
     with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 needs dtype bfloat16"):
         EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_dtype="bfloat16"))
-    bf16 = load_model("default", torch.bfloat16)
-    blocks = {
-        kv: LLMEngine(
-            EngineConfig(
-                model="default",
-                cache=CacheConfig(kv_cache_gb=0.05, kv_cache_dtype=kv),
-                scheduler=SchedulerConfig(max_model_len=1024),
-            ),
-            loaded=bf16,
-        ).runner.num_blocks
-        for kv in ("auto", "bfloat16")
-    }
-    assert 1.85 < blocks["auto"] / blocks["bfloat16"] < 1.9
 
 
 def test_int8_kv_cache_is_batch_invariant():
     """The int8 cache's decode path works per request and kv head, so a prompt's greedy tokens do
     not depend on what it is batched with (or on chunked prefill)."""
     bf16 = load_model("default", torch.bfloat16)
-    engine = make_engine(bf16, dtype="bfloat16")
-    assert engine.config.cache.kv_cache_dtype == "int8"
+    engine = make_engine(bf16, dtype="bfloat16", kv="int8")
     alone = run(engine, PROMPTS[:1])[0]["0"]
     assert run(engine, PROMPTS)[0]["0"] == alone
-    chunked = make_engine(bf16, dtype="bfloat16", max_batched=8)
+    chunked = make_engine(bf16, dtype="bfloat16", kv="int8", max_batched=8)
     assert run(chunked, PROMPTS[:4])[0]["0"] == alone
 
 

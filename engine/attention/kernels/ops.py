@@ -52,6 +52,12 @@ def forced_isa_ceiling() -> str:
     return forced or ISAS[0]
 
 
+def int8_decode_path(isa: str) -> bool:
+    """Whether ``isa`` multiplies an int8 cache as int8 when decoding (vec512's VNNI path, which AMX
+    also hands its small decode units to); the others dequantise its rows first."""
+    return isa in ("vec512", "amx") and "avx512_vnni" in cpu_flags()
+
+
 def select_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
     ceiling = forced_isa_ceiling()
     if ceiling == "ref":
