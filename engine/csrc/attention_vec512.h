@@ -35,6 +35,9 @@ static inline __mmask16 mask16(int n) {
 static inline __mmask32 mask32(int n) {
   return n >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : n <= 0 ? static_cast<__mmask32>(0) : static_cast<__mmask32>((1u << n) - 1);
 }
+static inline __mmask64 mask64(int n) {
+  return n >= 64 ? ~static_cast<__mmask64>(0) : n <= 0 ? static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << n) - 1;
+}
 
 // 16 x 16 transpose of 32-bit elements: r[i][j] -> r[j][i].
 static inline void transpose16(__m512i r[16]) {
@@ -887,7 +890,7 @@ static inline void qk_int8(const int8_t* q, int qs, const float* qsc, const int3
 #pragma GCC unroll 8
       for (int i = 0; i < NS; ++i) acc[r][i] = _mm512_setzero_si512();
     for (int c = 0; c * 64 < D; ++c) {
-      const __mmask64 mk = D - c * 64 >= 64 ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << (D - c * 64)) - 1;
+      const __mmask64 mk = mask64(D - c * 64);
       __m512i t[16];
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i)
@@ -924,7 +927,7 @@ static inline void pv_int8_rows(const int32_t* Pq, const float* psc, const void*
                                 float* O, const float* alpha) {
   const int ngroups = (n + 3) / 4;
   for (int c = 0; c * 64 < D; ++c) {
-    const __mmask64 mk = D - c * 64 >= 64 ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << (D - c * 64)) - 1;
+    const __mmask64 mk = mask64(D - c * 64);
     __m512i acc[RB][4];
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r)
