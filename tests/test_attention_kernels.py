@@ -486,16 +486,21 @@ def test_bf16_dot_override(mode):
         native._ext().attention_set_bf16_dot("amx")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_describe_names_the_path(dtype):
-    """The start-up log's attention path: the ISA, plus vec512's bf16 choice for bf16 models."""
-    impl = CPUAttentionBackendImpl(9, 64, 0.125, 3, "auto", 16, dtype)
+def test_describe_names_the_path(dtype, kv_cache_dtype):
+    """The start-up log's attention path: the ISA, plus vec512's bf16 choice for bf16 models and
+    whether decode multiplies an int8 cache as int8."""
+    impl = CPUAttentionBackendImpl(9, 64, 0.125, 3, kv_cache_dtype, 16, dtype)
     text = impl.describe()
-    assert text.startswith(impl.isa)
+    notes = []
     if impl.isa == "vec512" and dtype == torch.bfloat16:
-        assert text == f"vec512 (bf16 products: {native._ext().attention_bf16_dot()})"
-    else:
-        assert text == impl.isa
+        notes.append(f"bf16 products: {native._ext().attention_bf16_dot()}")
+    if kv_cache_dtype == "int8" and ops.int8_decode_path(impl.isa):
+        notes.append("int8 KV decode: VNNI")
+    assert text == (f"{impl.isa} ({'; '.join(notes)})" if notes else impl.isa)
+    if kv_cache_dtype == "int8" and impl.isa == "vec512" and "avx512_vnni" in ops.cpu_flags():
+        assert text.endswith("int8 KV decode: VNNI)")
 
 
 def test_bad_arguments_raise():

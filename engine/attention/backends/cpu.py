@@ -149,7 +149,7 @@ class CPUAttentionBackendImpl:
 
     def describe(self) -> str:
         """The kernel path, for the start-up log (``ref``, ``vec512 (bf16 products: fma)``, ...)."""
-        return ops.describe(self.isa, self.model_dtype)
+        return ops.describe(self.isa, self.model_dtype, self.kv_cache_dtype)
 
     def do_kv_cache_update(
         self,

@@ -73,12 +73,12 @@ def available_isas() -> frozenset[str]:
     return frozenset(isas)
 
 
-def describe(isa: str, dtype: torch.dtype) -> str:
-    """The kernel path for logs: the ISA, and for vec512 with a bf16 model how it multiplies bf16
-    ("dpbf16" or "fma": the extension times both instructions once, on this call if not before)."""
+def bf16_dot(isa: str, dtype: torch.dtype) -> Optional[str]:
+    """How vec512 multiplies a bf16 model's bf16 values ("dpbf16" or "fma": the extension times both
+    instructions once, on this call if not before); None where that does not apply."""
     if isa != "vec512" or dtype != torch.bfloat16 or _ext() is None:
-        return isa
-    return f"vec512 (bf16 products: {_ext().attention_bf16_dot()})"
+        return None
+    return _ext().attention_bf16_dot()
 
 
 def supports(isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> bool:

@@ -39,9 +39,16 @@ def native_isas() -> frozenset[str]:
     return native.available_isas()
 
 
-def describe(isa: str, dtype: torch.dtype) -> str:
-    """``isa`` as the logs show it (native ISAs add how they multiply, where that varies by CPU)."""
-    return native.describe(isa, dtype)
+def describe(isa: str, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
+    """``isa`` as the logs show it, with how it multiplies where that varies by CPU and cache:
+    ``vec512 (bf16 products: fma; int8 KV decode: VNNI)``."""
+    notes = []
+    dot = native.bf16_dot(isa, dtype)
+    if dot:
+        notes.append(f"bf16 products: {dot}")
+    if kv_cache_dtype == "int8" and int8_decode_path(isa):
+        notes.append("int8 KV decode: VNNI")
+    return f"{isa} ({'; '.join(notes)})" if notes else isa
 
 
 def forced_isa_ceiling() -> str:
