@@ -63,8 +63,8 @@ def default_num_threads() -> int:
 class CacheConfig:
     block_size: int = 16
     kv_cache_gb: Optional[float] = None  # None: default_kv_cache_gb()
-    # "auto": int8 for bfloat16 runs where the CPU has the int8 decode attention (AVX-512 VNNI), else
-    # the run dtype (the engine resolves it: backends.cpu.resolve_kv_cache_dtype); "bfloat16" /
+    # "auto": int8 for bfloat16 runs where a native attention path reads it in place (AVX-512 VNNI,
+    # AVX2), else the run dtype (the engine resolves it: backends.cpu.resolve_kv_cache_dtype); "bfloat16" /
     # "float32": the run dtype, unrounded; "int8": one scale per token and kv head; "fp8_e4m3", "fp8_e5m2".
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True

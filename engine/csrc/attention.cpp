@@ -1,7 +1,7 @@
 // Paged attention and KV-cache writes for the CPU backend (engine/attention/kernels/native.py).
 //
 // ISAs (chosen per call by the Python dispatch, checked here against the CPU):
-//   vec256   AVX2 + FMA + F16C, fp32 arithmetic (bf16 / fp8 widened on load)
+//   vec256   AVX2 + FMA + F16C, fp32 arithmetic (bf16 / fp8 / int8 widened on load)
 //   vec512   AVX-512 F/BW/VL + BF16: bf16 dot products with _mm512_dpbf16_ps, or fp32 FMAs
 //   amx      AMX-BF16 tiles for Q K^T and P V (units of >= amx_min_rows() query rows:
 //            prefill tiles and decode GQA groups); smaller units take vec512
@@ -250,6 +250,7 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
       break;
     case Isa::kVec256:
       if (bf16 && p.kv_kind == KvKind::kSame && R <= v256::DecodeOps::kMaxRows) return &run_unit<v256::DecodeOps>;
+      if (p.kv_kind == KvKind::kI8 && R <= v256::Int8DecodeOps::kMaxRows) return &run_unit<v256::Int8DecodeOps>;
       return &run_unit<v256::Ops>;
     case Isa::kVec512:
       break;

@@ -356,9 +356,18 @@ static inline __m256 sum8_lanes(const float* t) {  // t: 8 vectors a0..a7 -> (su
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// S[r][g*8 .. g*8+8) for RB rows; q split per 16-value chunk (8 even, then 8 odd), T: RB x 64 floats.
-template <int RB>
-static inline void qk_direct(const float* q, int qs, const void* const* krows, int D, int n, float* S, float* T) {
+// 16 int8 at p -> fp32 of values 0-7 (*lo) and 8-15 (*hi).
+static inline void widen_int8x16(const int8_t* p, __m256* lo, __m256* hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+}
+
+// S[r][g*8 .. g*8+8) for RB rows, T: RB x 64 floats.  bf16 cache: q split per 16-value chunk (8
+// even, then 8 odd).  int8 cache (I8): q in natural order, each key's score times its row scale ksc.
+template <int RB, bool I8 = false>
+static inline void qk_direct(const float* q, int qs, const void* const* krows, int D, int n, float* S, float* T,
+                             const float* ksc = nullptr) {
   constexpr int NA = RB <= 6 ? 2 : 1;  // independent FMA chains per row
   for (int g = 0; g < KT / 8; ++g) {
     if (g * 8 >= n) {
@@ -370,7 +379,6 @@ static inline void qk_direct(const float* q, int qs, const void* const* krows, i
         for (int r = 0; r < RB; ++r) _mm256_store_ps(T + r * 64 + j * 8, _mm256_setzero_ps());
         continue;
       }
-      const uint16_t* k = static_cast<const uint16_t*>(krows[g * 8 + j]);
       __m256 acc[RB][NA];
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r)
@@ -378,7 +386,10 @@ static inline void qk_direct(const float* q, int qs, const void* const* krows, i
         for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
       for (int c = 0; c * 16 < D; ++c) {
         __m256 ke, ko;
-        split_bf16x16(k + c * 16, &ke, &ko);
+        if (I8)
+          widen_int8x16(static_cast<const int8_t*>(krows[g * 8 + j]) + c * 16, &ke, &ko);
+        else
+          split_bf16x16(static_cast<const uint16_t*>(krows[g * 8 + j]) + c * 16, &ke, &ko);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r) {
           const float* qc = q + r * qs + c * 16;
@@ -390,12 +401,15 @@ static inline void qk_direct(const float* q, int qs, const void* const* krows, i
       for (int r = 0; r < RB; ++r)
         _mm256_store_ps(T + r * 64 + j * 8, NA == 2 ? _mm256_add_ps(acc[r][0], acc[r][NA - 1]) : acc[r][0]);
     }
-    for (int r = 0; r < RB; ++r) _mm256_store_ps(S + r * KT + g * 8, sum8_lanes(T + r * 64));
+    for (int r = 0; r < RB; ++r) {
+      const __m256 sums = sum8_lanes(T + r * 64);
+      _mm256_store_ps(S + r * KT + g * 8, I8 ? _mm256_mul_ps(sums, _mm256_loadu_ps(ksc + g * 8)) : sums);
+    }
   }
 }
 
-// O[:, d0 : d0 + 8 NV] = O * alpha + P V for RB rows.
-template <int RB, int NV>
+// O[:, d0 : d0 + 8 NV] = O * alpha + P V for RB rows (V bf16, or I8: int8 with P already scaled).
+template <int RB, int NV, bool I8 = false>
 static inline void pv_direct_pass(const float* P, const void* const* vrows, int d0, int Dp, int n, float* O,
                                   const float* alpha) {
   __m256 acc[RB][NV];
@@ -406,10 +420,12 @@ static inline void pv_direct_pass(const float* P, const void* const* vrows, int 
     for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_mul_ps(_mm256_load_ps(O + r * Dp + d0 + 8 * c), a);
   }
   for (int j = 0; j < n; ++j) {
-    const uint16_t* v = static_cast<const uint16_t*>(vrows[j]) + d0;
     __m256 vv[NV];
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) vv[c] = bf16x8_to_ps(v + 8 * c);
+    for (int c = 0; c < NV; ++c)
+      vv[c] = I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(vrows[j]) + d0 + 8 * c))))
+                 : bf16x8_to_ps(static_cast<const uint16_t*>(vrows[j]) + d0 + 8 * c);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const __m256 pb = _mm256_broadcast_ss(P + r * KT + j);
@@ -423,15 +439,19 @@ static inline void pv_direct_pass(const float* P, const void* const* vrows, int 
     for (int c = 0; c < NV; ++c) _mm256_store_ps(O + r * Dp + d0 + 8 * c, acc[r][c]);
 }
 
-template <int RB>
+template <int RB, bool I8 = false>
 static inline void pv_direct(const float* P, const void* const* vrows, int D, int Dp, int n, float* O, const float* alpha) {
   constexpr int NV = RB <= 2 ? 4 : RB <= 6 ? 2 : 1;  // accumulators fit the 16 ymm registers
   int d0 = 0;
-  for (; d0 + 8 * NV <= D; d0 += 8 * NV) pv_direct_pass<RB, NV>(P, vrows, d0, Dp, n, O, alpha);
-  for (; d0 < D; d0 += 8) pv_direct_pass<RB, 1>(P, vrows, d0, Dp, n, O, alpha);
+  for (; d0 + 8 * NV <= D; d0 += 8 * NV) pv_direct_pass<RB, NV, I8>(P, vrows, d0, Dp, n, O, alpha);
+  for (; d0 < D; d0 += 8) pv_direct_pass<RB, 1, I8>(P, vrows, d0, Dp, n, O, alpha);
 }
 
-struct DecodeOps {
+// I8: an int8 cache (any model dtype), read in place the same way: its rows widened to fp32 in
+// registers (two instructions per 8 values, as for bf16) at half the bytes; each key's K scale
+// multiplies its scores and its V scale its probabilities.
+template <bool I8>
+struct DecodeOpsT {
   static constexpr int kMaxRows = 8;
   static void begin(const AttnParams&, Scratch&, int) {}
   static void end() {}
@@ -439,10 +459,15 @@ struct DecodeOps {
   __attribute__((noinline)) static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
     (void)ntok;
     float* q = static_cast<float*>(s.q);
-    const uint16_t* src = static_cast<const uint16_t*>(p.q);
+    const size_t esz = p.model_bf16 ? 2 : 4;
     for (int r = 0; r < R; ++r) {
-      const uint16_t* row = src + q_offset(p, tok, kvh, r);
       float* dst = q + static_cast<int64_t>(r) * p.Dp;
+      if (I8) {  // natural order, fp32
+        const uint8_t* row = static_cast<const uint8_t*>(p.q) + q_offset(p, tok, kvh, r) * esz;
+        row_to_f32(row, p.model_bf16, KvKind::kSame, 1.f, false, p.D, p.Dp, dst);
+        continue;
+      }
+      const uint16_t* row = static_cast<const uint16_t*>(p.q) + q_offset(p, tok, kvh, r);
       for (int c = 0; c * 16 < p.D; ++c) {
         __m256 even, odd;
         split_bf16x16(row + c * 16, &even, &odd);
@@ -457,14 +482,20 @@ struct DecodeOps {
     gather_rows(p, bt_row, kvh, k0, n, rows);
     for (int i = 0; i < n; ++i) {
       s.krows[i] = rows[i];
-      s.vrows[i] = rows[i] + p.D * 2;
+      s.vrows[i] = rows[i] + p.D * p.kv_elt;
+      if (I8) {
+        s.ksc[i] = row_k_scale(p, rows[i]);
+        s.vsc[i] = row_v_scale(p, rows[i]);
+      }
     }
+    if (I8)
+      for (int i = n; i < KT; ++i) s.ksc[i] = s.vsc[i] = 0.f;
   }
 
   __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
     const float* q = static_cast<const float*>(s.q);
     float* T = static_cast<float*>(s.krow);
-    with_rows_upto8(R, [&](auto rb) { qk_direct<decltype(rb)::value>(q, p.Dp, s.krows, p.D, n, s.S, T); });
+    with_rows_upto8(R, [&](auto rb) { qk_direct<decltype(rb)::value, I8>(q, p.Dp, s.krows, p.D, n, s.S, T, s.ksc); });
   }
 
   static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
@@ -472,14 +503,20 @@ struct DecodeOps {
   }
 
   __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
-    const float* P = static_cast<const float*>(s.P);
-    with_rows_upto8(R, [&](auto rb) { pv_direct<decltype(rb)::value>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
+    float* P = static_cast<float*>(s.P);
+    if (I8)  // softmax has summed P already: the V scales only weight the values
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < KT; j += 8)
+          _mm256_store_ps(P + r * KT + j, _mm256_mul_ps(_mm256_load_ps(P + r * KT + j), _mm256_load_ps(s.vsc + j)));
+    with_rows_upto8(R, [&](auto rb) { pv_direct<decltype(rb)::value, I8>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
   }
 
   static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
     Ops::store(p, s, tok, ntok, kvh, R);
   }
 };
+using DecodeOps = DecodeOpsT<false>;
+using Int8DecodeOps = DecodeOpsT<true>;
 
 }  // namespace v256
 }  // namespace cpuserve_attn

@@ -78,10 +78,11 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, block_size: int, head_size: int) -> str:
-    """What ``auto`` stores here: int8 for bf16 models where decode attention multiplies it as int8
-    (AVX-512 VNNI), else the model dtype.  Engine alone, 32 streams, alternating: with the VNNI path
-    attention 11.8 -> 7.7 ms a step (reading half the bytes, products without widening); on the
-    AVX2 path, which dequantises rows first, 10.9 -> 18.7 ms, so there it stays bf16."""
+    """What ``auto`` stores here: int8 for bf16 models where decode attention reads it in place
+    (``ops.int8_decode_path``: the native AVX-512 VNNI and AVX2 paths), else the model dtype.
+    Engine alone, 32 streams, bf16 -> int8 alternating: attention 11.8 -> 7.7 ms a step on the VNNI
+    path (half the bytes, products without widening), 13.0 -> 10.4 ms on the AVX2 one (forced on
+    an AVX-512 host; half the bytes, the same instructions)."""
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
     if model_dtype == torch.bfloat16 and ops.int8_decode_path(_get_attn_isa(model_dtype, block_size, head_size, "int8")):

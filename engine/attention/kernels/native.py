@@ -13,9 +13,10 @@ ISAs (``engine/csrc/attention.cpp``):
   Work units of fewer than 4 query rows (``CPUSERVE_ATTN_AMX_MIN_ROWS``; decode of a
   3-head GQA group, say) take the vec512 path.
 
-All of them read fp8 (e4m3fn / e5m2) and int8 caches, dequantising on load, except vec512's decode
-path over an int8 cache (units of <= 8 query rows), which multiplies int8 queries and u8
-probabilities with the int8 keys and values in VNNI dot products (``attention_vec512.h``).  The extension is
+All of them read fp8 (e4m3fn / e5m2) and int8 caches, dequantising on load, except the decode
+paths over an int8 cache (units of <= 8 query rows): vec512's multiplies int8 queries and u8
+probabilities with the int8 keys and values in VNNI dot products (``attention_vec512.h``),
+vec256's widens the int8 rows to fp32 in registers as its bf16 path does bf16 ones.  The extension is
 built once (``python -m engine.native``); without it every call runs the ``ref`` kernels.
 """
 

@@ -47,7 +47,7 @@ def describe(isa: str, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
     if dot:
         notes.append(f"bf16 products: {dot}")
     if kv_cache_dtype == "int8" and int8_decode_path(isa):
-        notes.append("int8 KV decode: VNNI")
+        notes.append("int8 KV decode: " + ("fp32 FMA" if isa == "vec256" else "VNNI"))
     return f"{isa} ({'; '.join(notes)})" if notes else isa
 
 
@@ -60,9 +60,12 @@ def forced_isa_ceiling() -> str:
 
 
 def int8_decode_path(isa: str) -> bool:
-    """Whether ``isa`` multiplies an int8 cache as int8 when decoding (vec512's VNNI path, which AMX
-    also hands its small decode units to); the others dequantise its rows first."""
-    return isa in ("vec512", "amx") and "avx512_vnni" in cpu_flags()
+    """Whether ``isa`` decodes over an int8 cache reading its rows in place: vec512 multiplies them as
+    int8 (VNNI; AMX hands it its small decode units), vec256 widens them to fp32 in registers.  Other
+    paths dequantise rows into tiles first, which costs more than the halved bytes save."""
+    if isa in ("vec512", "amx"):
+        return "avx512_vnni" in cpu_flags()
+    return isa == "vec256"
 
 
 def select_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
