@@ -134,7 +134,7 @@ def run_both(isa, query, kv, meta, D, kv_cache_dtype, k_scale, v_scale):
 
 def int8_products(isa, kv_cache_dtype):
     """Whether ``isa`` rounds queries to int8 and probabilities to u8 over this cache (vec512's
-    VNNI decode path, which AMX hands its small units to), which the reference does not."""
+    VNNI decode path, which AMX hands its decode units to), which the reference does not."""
     return kv_cache_dtype == "int8" and _base(isa) in ("vec512", "amx") and "avx512_vnni" in ops.cpu_flags()
 
 

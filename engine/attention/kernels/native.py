@@ -11,7 +11,7 @@ ISAs (``engine/csrc/attention.cpp``):
 * ``amx``: AMX-BF16 tiles for Q K^T and P V (prefill tiles and decode GQA groups),
   bf16 models only; needs Sapphire Rapids or later and Linux's AMX permission.
   Work units of fewer than 4 query rows (``CPUSERVE_ATTN_AMX_MIN_ROWS``; decode of a
-  3-head GQA group, say) take the vec512 path.
+  3-head GQA group, say), and decode units (<= 8 rows) over an int8 cache, take the vec512 path.
 
 All of them read fp8 (e4m3fn / e5m2) and int8 caches, dequantising on load, except the decode
 paths over an int8 cache (units of <= 8 query rows): vec512's multiplies int8 queries and u8

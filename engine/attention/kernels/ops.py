@@ -61,7 +61,7 @@ def forced_isa_ceiling() -> str:
 
 def int8_decode_path(isa: str) -> bool:
     """Whether ``isa`` decodes over an int8 cache reading its rows in place: vec512 multiplies them as
-    int8 (VNNI; AMX hands it its small decode units), vec256 widens them to fp32 in registers.  Other
+    int8 (VNNI; AMX hands it its decode units), vec256 widens them to fp32 in registers.  Other
     paths dequantise rows into tiles first, which costs more than the halved bytes save."""
     if isa in ("vec512", "amx"):
         return "avx512_vnni" in cpu_flags()
