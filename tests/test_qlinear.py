@@ -607,3 +607,25 @@ def test_engine_builds_row_int8_copies_by_default(smollm2_reader):
     assert rows == (packed if Q.rows_int8_fast() else 0)
     assert copies(EngineConfig(model="default", large_batch_matmul="int8", cache=CacheConfig(num_blocks=16)))[1:] == (0, 1)
     assert copies(EngineConfig(model="default", dtype="float32", cache=CacheConfig(num_blocks=16)))[1:] == (0, packed)
+
+
+@pytest.mark.parametrize("units", [0, 1, 7, 1000])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_work_spans_run_every_unit_once(units, threads):
+    """The matmuls' parallel split (engine/csrc/work_spans.h): every weight group computed once."""
+    runs, owner = Q._native().work_spans_trace(units, threads)
+    assert runs.tolist() == [1] * units
+    assert set(owner.tolist()) <= set(range(threads))
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_work_spans_others_take_a_stalled_threads_units(threads):
+    """A thread that starts late (descheduled on a busy host) finds its units taken by the others,
+    from the back of its span, instead of holding up the whole product."""
+    units, stalled = 400, 1
+    span = range(units * stalled // threads, units * (stalled + 1) // threads)
+    runs, owner = Q._native().work_spans_trace(units, threads, stalled_thread=stalled, stall_us=300_000, unit_us=20)
+    assert runs.tolist() == [1] * units
+    taken = [u for u in span if owner[u] != stalled]
+    assert len(taken) >= len(span) // 2, owner.tolist()
+    assert owner[span[-1]] != stalled  # thieves start at the back

@@ -18,6 +18,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_isas", &qlinear_isas, "qlinear instruction-set paths usable on this CPU");
   m.def("qlinear_best_isa", &qlinear_best_isa, "the qlinear path used by default");
   // ---- end qlinear.cpp ----
+  // ---- work_spans.cpp ----
+  m.def("work_spans_trace", &work_spans_trace, "test hook: run units over stealable spans, report who ran each",
+        nogil, py::arg("units"), py::arg("threads"), py::arg("stalled_thread") = -1, py::arg("stall_us") = 0,
+        py::arg("unit_us") = 0);
+  // ---- end work_spans.cpp ----
   // ---- attention.cpp ----
   m.def("paged_attention", &paged_attention, "paged attention over the KV cache (writes output)", nogil);
   m.def("reshape_and_cache", &reshape_and_cache, "write new keys/values into their KV-cache slots", nogil);

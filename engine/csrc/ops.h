@@ -22,6 +22,13 @@ std::vector<int64_t> qlinear_isas();  // usable paths: 0 scalar, 1 avx2, 2 avx-v
 int64_t qlinear_best_isa();
 // ---- end qlinear.cpp ----
 
+// ---- work_spans.cpp (test hook for work_spans.h, the split of qlinear's parallel loops) ----
+// [2, units] int64, how many times each unit ran and which thread ran
+// it, with `stalled_thread` (-1: none) held back stall_us before it starts; each unit busy unit_us.
+torch::Tensor work_spans_trace(int64_t units, int64_t threads, int64_t stalled_thread, int64_t stall_us,
+                               int64_t unit_us);
+// ---- end work_spans.cpp ----
+
 // ---- attention.cpp (paged attention + KV-cache writes; see engine/attention/kernels/native.py) ----
 // isa: "vec256" | "vec512" | "amx" | "amx_emu" (amx on emulated tiles, for tests).
 void paged_attention(const std::string& isa, const at::Tensor& query, const at::Tensor& kv_cache,

@@ -13,6 +13,7 @@
 #include "ops.h"
 #include "qlinear.h"
 #include "vec512_rows.h"
+#include "work_spans.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -671,6 +672,9 @@ int best_isa() {
 constexpr int64_t kParallelMinBytes = 96 * 1024;
 // Activation elements from which their quantization is worth its own parallel loop.
 constexpr int64_t kParallelQuantElems = 32 * 1024;
+// Threads share a product's weight groups in units of about 1/kUnitsPerThread of a thread's share
+// (see work_spans.h), an even number of groups: the row-int8 kernel walks groups in pairs.
+constexpr int64_t kUnitsPerThread = 64;
 
 struct Scratch {
   std::vector<int8_t> q;
@@ -696,7 +700,7 @@ namespace {
 
 // Shared by both entry points: quantize x's rows (digits int8 planes per 32-block, into the
 // calling thread's scratch; with row-scaled weights, p.wscale set, also each row's xcorr), then
-// run `range` over the weight's 16-row groups, split across threads in contiguous ranges.
+// run `range` over the weight's 16-row groups, split across threads in stealable spans.
 // `weight_bytes` sizes the thread count.
 template <typename RangeFn>
 torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
@@ -792,11 +796,10 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
     range(int64_t{0}, groups);
     return out;
   }
+  const int64_t unit = std::max<int64_t>(2, (groups / (threads * kUnitsPerThread) + 1) & ~int64_t{1});
+  cpuserve_par::WorkSpans spans((groups + unit - 1) / unit, threads);
 #pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    range(groups * t / nt, groups * (t + 1) / nt);
-  }
+  spans.run(omp_get_thread_num(), [&](int64_t u) { range(u * unit, std::min(groups, (u + 1) * unit)); });
   return out;
 }
 
