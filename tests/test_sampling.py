@@ -338,3 +338,76 @@ def test_chunked_draw_matches_a_full_inverse_cdf_on_a_real_shape():
     u = torch.tensor([[torch.rand(1, generator=torch.Generator().manual_seed(i)).item()] for i in range(rows)])
     full = torch.searchsorted(probs.double().cumsum(-1), u.double() * probs.double().sum(-1, keepdim=True), right=True)
     assert (drawn == full.squeeze(1)).float().mean() > 0.98
+
+
+def _native_draw():
+    draw = sampler._native_op("sample_rows")
+    if draw is None:
+        pytest.skip("native extension unavailable")
+    return draw
+
+
+def _draw_params(cases: list[tuple[float, int, float, float]]) -> tuple[torch.Tensor, ...]:
+    return sampler._row_params(reqs(*[SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp) for t, k, p, mp in cases]))
+
+
+def test_native_draw_keeps_exactly_what_a_full_sort_keeps():
+    """sample() draws natively (engine/csrc/sampling.cpp) with one pass per row instead of torch's
+    whole-vocabulary temporaries; what it keeps is still the textbook top-k, then top-p, then min-p
+    over softmax(logits / temperature): flat and peaked rows, cuts found among its candidates and
+    cuts that need the whole row, the real vocabulary size included."""
+    draw = _native_draw()
+    torch.manual_seed(11)
+    cases = [(t, k, p, mp) for t in (0.5, 1.0, 1.7) for k, p in ((0, 0.9), (50, 1.0), (40, 0.7), (0, 1.0), (2500, 0.99), (1, 1.0))
+             for mp in (0.0, 0.1)]
+    for vocab, scales in ((3000, (0.01, 0.5, 3.0, 10.0)), (49152, (0.3, 3.0))):
+        for scale in scales:
+            logits = torch.randn(len(cases), vocab) * scale
+            ids, kept_from = draw(logits, *_draw_params(cases), torch.rand(len(cases)))
+            for row, (t, k, p, mp) in enumerate(cases):
+                x = logits[row] / t
+                e = (x - x.max()).exp()
+                expected = _full_sort_filter(x, k, p)
+                probs = torch.where(expected, x.double().softmax(-1), 0.0)
+                expected &= probs >= mp * probs.max()
+                # exp((x - max) / t) natively and exp(x / t - max) here round differently: only a
+                # token within that of the cut may land on the other side of it.  Below ~1e-38 of
+                # the best token (float's smallest normal) e counts as zero.
+                differ = ((e >= kept_from[row]) ^ expected) & (e > 1e-37)
+                assert bool(((e[differ] - kept_from[row]).abs() <= 2e-5 * kept_from[row]).all()), (vocab, scale, t, k, p, mp)
+                assert int(differ.sum()) <= 2 and expected[ids[row]], (vocab, scale, t, k, p, mp)
+
+
+def test_native_draw_is_the_inverse_cdf_of_the_torch_path():
+    """With the same uniform numbers the native draw picks the torch path's tokens (both look up
+    the cumulative mass in vocabulary order), so seeded requests keep their meaning; banned
+    (-inf) tokens never come out, and rows without a finite logit give their argmax."""
+    draw = _native_draw()
+    torch.manual_seed(5)
+    rows, vocab = 400, 5000
+    logits = (torch.randn(1, vocab) * 2).expand(rows, vocab).contiguous()
+    logits[:, ::7] = -float("inf")  # banned
+    cases = [(0.8, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (1.3, 100, 1.0, 0.02)] * (rows // 3) + [(1.0, 0, 1.0, 0.0)] * (rows % 3)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp) for t, k, p, mp in cases]
+    u = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows
+    native, _ = draw(logits, *_draw_params(cases), u)
+    r = reqs(*params)
+    torch_tokens = torch.empty(rows, dtype=torch.long)
+    for got, ids, probs in _distributions(logits, r):
+        picked = _draw_with(probs, u[got])
+        torch_tokens[got] = ids.gather(1, picked.unsqueeze(1)).squeeze(1) if ids is not None else picked
+    assert (native == torch_tokens).float().mean() >= 0.99
+    assert not bool((native % 7 == 0).any())
+    dead = torch.full((2, 10), -float("inf"))
+    dead[1, 3] = float("nan")
+    assert draw(dead, *_draw_params([(1.0, 0, 1.0, 0.0)] * 2), torch.rand(2))[0].tolist() == [0, 3]
+
+
+def _draw_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The torch path's draw with given uniform numbers."""
+    orig = sampler._uniforms
+    sampler._uniforms = lambda requests, dtype=torch.float32: u.to(dtype)
+    try:
+        return _draw(probs, reqs(*[SamplingParams(temperature=1.0)] * probs.shape[0]))
+    finally:
+        sampler._uniforms = orig

@@ -360,6 +360,15 @@ void fused_set_isa(int64_t isa) {
   g_forced_isa = static_cast<int>(isa);
 }
 
+float fused_exp_row(const float* x, float shift, float scale, float* out, int64_t n) {
+  switch (isa()) {
+    case kAvx512Bf16:
+    case kAvx512: return avx512::exp_shifted_row(x, shift, scale, out, n);
+    case kAvx2: return avx2::exp_shifted_row(x, shift, scale, out, n);
+    default: return scalar::exp_shifted_row(x, shift, scale, out, n);
+  }
+}
+
 std::vector<int64_t> fused_isas() {
   std::vector<int64_t> out;
   for (int i = kScalar; i <= kAvx512Bf16; ++i)

@@ -148,5 +148,21 @@ void rope_rows(const RopeArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
+// out[i] = exp((x[i] - shift) * scale), returning their sum: the sampler's unnormalised
+// probabilities of one row of logits (shift the row's max, scale 1 / temperature).
+inline float exp_shifted_row(const float* x, float shift, float scale, float* out, int64_t n) {
+  const V sh = V::set1(shift), sc = V::set1(scale);
+  V acc = V::zero();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const V e = V::exp(V::mul(V::sub(V::load(x + i), sh), sc));
+    V::store(out + i, e);
+    acc = V::add(acc, e);
+  }
+  float sum = V::reduce_add(acc);
+  for (; i < n; ++i) sum += out[i] = std::exp((x[i] - shift) * scale);
+  return sum;
+}
+
 }  // namespace FUSED_NS
 }  // namespace fused

@@ -61,6 +61,8 @@ c10::optional<std::tuple<torch::Tensor, torch::Tensor>> fused_rope(const torch::
                                                                    const torch::Tensor& q, const torch::Tensor& k,
                                                                    const torch::Tensor& cos_sin, int64_t head_size,
                                                                    bool inplace);
+// For other kernels (sampling.cpp): out[i] = exp((x[i] - shift) * scale) over n floats, returns their sum.
+float fused_exp_row(const float* x, float shift, float scale, float* out, int64_t n);
 std::vector<int64_t> fused_isas();  // 0 scalar, 1 avx2, 2 avx512
 void fused_set_isa(int64_t isa);    // pin a path (tests); -1: best
 // ---- end fused.cpp ----
@@ -75,6 +77,13 @@ torch::Tensor sampling_thresholds(const torch::Tensor& e, const torch::Tensor& t
 // isa: -1 the best this CPU has, 0 scalar, 1 AVX2, 2 AVX-512 (tests pin each one).
 torch::Tensor argmax_rows(const torch::Tensor& x, int64_t isa);
 int64_t argmax_best_isa();
+// The draw of engine/sampler.py for rows that sample: logits float32 [R, V] (rows contiguous);
+// per row temperature (> 0), top_k (<= 0 or >= V: none), top_p, min_p (float32) and a uniform u
+// in [0, 1).  Returns (token ids int64 [R], the smallest exp((logit - max) / temperature) each
+// row kept, float32 [R]).
+std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                                     const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                                     const torch::Tensor& min_p, const torch::Tensor& u);
 // ---- end sampling.cpp ----
 
 // ---- decoder_layer.cpp (a Llama layer's packed path around its attention; see engine/models/llama.py) ----

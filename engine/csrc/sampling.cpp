@@ -7,6 +7,8 @@
 //   32-row decode step); one AVX-512 pass takes a few microseconds a row.  On AVX2-only hosts the
 //   scalar scan took 1.3-3.8 ms for those rows (a 2-core Zen 3; torch's 2.0 ms), the AVX2 pass
 //   0.14 ms.
+// - the whole draw of sampled rows (sample_rows, below): temperature, the cut-offs, min-p and
+//   the inverse-CDF lookup in one buffer a row.
 #include "ops.h"
 
 #include <immintrin.h>
@@ -16,6 +18,8 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -62,7 +66,9 @@ float weighted_select(std::vector<float>& v, double target) {
 // descending cumulative mass of the top-k set reaches p of it: it and every larger one
 // stay).  Tokens equal to a cut-off all stay.  One pass builds a histogram of counts and
 // mass by bucket; only the bucket where a cut falls is looked at element by element.
-float row_threshold(const float* e, int64_t V, int64_t k, double p, std::vector<float>& bucket) {
+// `tail` is mass left out of e (the sampler passes only its candidates): it counts toward
+// top-p's total when there is no top-k cut, and never holds the cut.
+float row_threshold(const float* e, int64_t V, int64_t k, double p, std::vector<float>& bucket, double tail = 0.0) {
   std::vector<int64_t> count(kBuckets, 0);
   std::vector<double> mass(kBuckets, 0.0);
   for (int64_t i = 0; i < V; ++i) {
@@ -96,6 +102,7 @@ float row_threshold(const float* e, int64_t V, int64_t k, double p, std::vector<
       if (v >= floor) partial_k += v;
     total += partial_k;
   } else {
+    total = tail;
     for (int b = 0; b < kBuckets; ++b) total += mass[b];
   }
   if (p >= 1.0) return floor;
@@ -190,6 +197,167 @@ int64_t argmax_row(int isa, const float* x, int64_t n) {
   }
 }
 
+// ---------------------------------------------------------------- the draw (sample_rows)
+//
+// engine/sampler.py's temperature / top-k / top-p / min-p / inverse-CDF draw for one row at a
+// time, without the whole-vocabulary temporaries its torch ops make.  The same arithmetic: e =
+// exp((logit - max) / temperature) (so the best token's e is 1), the top-k / top-p cut of
+// row_threshold, min-p as e >= min_p (min_p of the largest probability, after the cut), then
+// the first token whose cumulative kept mass exceeds u times the total, found chunk by chunk.
+
+constexpr int64_t kDrawChunk = 1024;  // sampler.py's DRAW_CHUNK
+// e below this counts as zero: a -inf logit (a banned token) comes out of the vector exp, which
+// clamps its input, as ~1.6e-38, and must never be drawn.
+constexpr float kMinWeight = 2e-38f;
+// A top-k / top-p cut is looked for among the candidates, the tokens with e >= a floor: the
+// highest of these under which the cut must fall (k candidates for top-k; p of the mass for
+// top-p).  A peaked row has a few to a few hundred above 2^-8; a flat row under a wide nucleus,
+// or a top_k beyond every floor, is looked at whole.
+constexpr int kCensusFloors = 4;
+constexpr float kCensusValues[kCensusFloors] = {1.f / (1 << 4), 1.f / (1 << 8), 1.f / (1 << 12), 1.f / (1 << 16)};
+
+
+// Whole vectors of floor_census below; returns where the scalar tail starts.
+__attribute__((target("avx512f"))) int64_t floor_census_avx512(const float* e, int64_t V, int64_t* count, float* mass) {
+  __m512 m[kCensusFloors];
+  __m512i c[kCensusFloors];
+  for (int f = 0; f < kCensusFloors; ++f) m[f] = _mm512_setzero_ps(), c[f] = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 16 <= V; i += 16) {
+    const __m512 v = _mm512_loadu_ps(e + i);
+    for (int f = 0; f < kCensusFloors; ++f) {
+      const __mmask16 k = _mm512_cmp_ps_mask(v, _mm512_set1_ps(kCensusValues[f]), _CMP_GE_OQ);
+      m[f] = _mm512_mask_add_ps(m[f], k, m[f], v);
+      c[f] = _mm512_mask_sub_epi32(c[f], k, c[f], _mm512_set1_epi32(-1));
+    }
+  }
+  for (int f = 0; f < kCensusFloors; ++f) count[f] += _mm512_reduce_add_epi32(c[f]), mass[f] += _mm512_reduce_add_ps(m[f]);
+  return i;
+}
+
+// Whole vectors of gather_candidates below: appends at *n; returns where the scalar tail starts.
+__attribute__((target("avx512f"))) int64_t gather_avx512(const float* e, int64_t V, float floor, float* vals,
+                                                         int32_t* idx, int64_t* n) {
+  const __m512 fl = _mm512_set1_ps(floor);
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t i = 0, out = *n;
+  for (; i + 16 <= V; i += 16, at = _mm512_add_epi32(at, _mm512_set1_epi32(16))) {
+    const __m512 v = _mm512_loadu_ps(e + i);
+    const __mmask16 k = _mm512_cmp_ps_mask(v, fl, _CMP_GE_OQ);
+    if (!k) continue;
+    _mm512_mask_compressstoreu_ps(vals + out, k, v);
+    _mm512_mask_compressstoreu_epi32(idx + out, k, at);
+    out += __builtin_popcount(k);
+  }
+  *n = out;
+  return i;
+}
+
+struct DrawScratch {
+  std::vector<float> e, cand, bucket;
+  std::vector<int32_t> cand_idx;
+  std::vector<double> chunk;  // kept mass per chunk
+};
+
+// Count and mass of e >= each of kCensusValues.
+void floor_census(const float* e, int64_t V, int64_t* count, double* mass) {
+  float m[kCensusFloors] = {0.f};
+  for (int f = 0; f < kCensusFloors; ++f) count[f] = 0;
+  int64_t i = 0;
+#if defined(__GNUC__)
+  if (__builtin_cpu_supports("avx512f")) i = floor_census_avx512(e, V, count, m);
+#endif
+  for (; i < V; ++i)
+    for (int f = 0; f < kCensusFloors; ++f)
+      if (e[i] >= kCensusValues[f]) ++count[f], m[f] += e[i];
+  for (int f = 0; f < kCensusFloors; ++f) mass[f] = m[f];
+}
+
+// Values >= floor into s.cand, their indices into s.cand_idx; returns their mass.
+double gather_candidates(const float* e, int64_t V, float floor, DrawScratch& s) {
+  s.cand.resize(V);
+  s.cand_idx.resize(V);
+  int64_t n = 0, i = 0;
+#if defined(__GNUC__)
+  if (__builtin_cpu_supports("avx512f")) i = gather_avx512(e, V, floor, s.cand.data(), s.cand_idx.data(), &n);
+#endif
+  for (; i < V; ++i)
+    if (e[i] >= floor) s.cand[n] = e[i], s.cand_idx[n++] = static_cast<int32_t>(i);
+  s.cand.resize(n);
+  s.cand_idx.resize(n);
+  double mass = 0.0;
+  for (float v : s.cand) mass += v;
+  return mass;
+}
+
+// The first index whose cumulative kept mass (e >= thr) exceeds u times the kept total, with
+// chunk[c] the kept mass of chunk c.  Rounding can leave the target past the chosen chunk's
+// last kept token: the scan then goes on, and at worst ends on the last kept token.
+int64_t draw_index(const float* e, int64_t V, float thr, const std::vector<double>& chunk, double u) {
+  double total = 0.0;
+  for (double m : chunk) total += m;
+  const double target = std::min(u * total, std::nextafter(total, 0.0));
+  double cum = 0.0;
+  size_t c = 0;
+  for (; c + 1 < chunk.size() && cum + chunk[c] <= target; ++c) cum += chunk[c];
+  int64_t last = -1;
+  for (int64_t i = static_cast<int64_t>(c) * kDrawChunk; i < V; ++i) {
+    if (e[i] < thr) continue;
+    cum += e[i];
+    last = i;
+    if (cum > target) return i;
+  }
+  for (int64_t i = static_cast<int64_t>(c) * kDrawChunk - 1; last < 0 && i >= 0; --i)
+    if (e[i] >= thr) last = i;
+  return std::max<int64_t>(last, 0);
+}
+
+// One row: (the token drawn, the smallest e kept).  A row whose maximum is NaN or -inf has no
+// distribution: its argmax comes back.
+std::pair<int64_t, float> sample_row(const float* x, int64_t V, float temperature, int64_t k, float p, float min_p,
+                                     double u, DrawScratch& s) {
+  const int64_t best = argmax_row(static_cast<int>(argmax_best_isa()), x, V);
+  const float m = x[best];
+  if (std::isnan(m) || m == -INFINITY) return {best, 0.f};
+  s.e.resize(V);
+  float* e = s.e.data();
+  const int64_t chunks = (V + kDrawChunk - 1) / kDrawChunk;
+  s.chunk.assign(chunks, 0.0);
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t at = c * kDrawChunk;
+    total += s.chunk[c] = fused_exp_row(x + at, m, 1.f / temperature, e + at, std::min(kDrawChunk, V - at));
+  }
+  const bool top_k = k > 0 && k < V, cut = top_k || p < 1.f;
+  float thr = kMinWeight;
+  if (cut || min_p > 0.f) {
+    float floor = std::max(min_p, kMinWeight);
+    bool in_candidates = !cut;
+    if (cut) {
+      int64_t count[kCensusFloors];
+      double above[kCensusFloors];
+      floor_census(e, V, count, above);
+      for (int f = 0; f < kCensusFloors && !in_candidates; ++f)
+        if (top_k ? count[f] >= k : above[f] >= p * total) in_candidates = true, floor = kCensusValues[f];
+    }
+    const double mass = in_candidates ? gather_candidates(e, V, floor, s) : 0.0;
+    const int64_t n = static_cast<int64_t>(s.cand.size());
+    if (cut)
+      thr = std::max(thr, in_candidates ? row_threshold(s.cand.data(), n, top_k ? k : 0, p, s.bucket, top_k ? 0.0 : total - mass)
+                                        : row_threshold(e, V, k, p, s.bucket));
+    thr = std::max(thr, min_p);
+    std::fill(s.chunk.begin(), s.chunk.end(), 0.0);
+    if (in_candidates) {
+      for (int64_t j = 0; j < n; ++j)
+        if (s.cand[j] >= thr) s.chunk[s.cand_idx[j] / kDrawChunk] += s.cand[j];
+    } else {
+      for (int64_t i = 0; i < V; ++i)
+        if (e[i] >= thr) s.chunk[i / kDrawChunk] += e[i];
+    }
+  }
+  return {draw_index(e, V, thr, s.chunk, u), thr};
+}
+
 }  // namespace
 
 int64_t argmax_best_isa() {
@@ -240,4 +408,39 @@ torch::Tensor sampling_thresholds(const torch::Tensor& e, const torch::Tensor& t
     for (int64_t r = 0; r < R; ++r) op[r] = row_threshold(ep + r * V, V, kp[r], pp[r], bucket);
   }
   return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                                     const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                                     const torch::Tensor& min_p, const torch::Tensor& u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.device().is_cpu(),
+              "sample_rows: logits must be a float32 CPU matrix with contiguous rows");
+  const int64_t R = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(V > 0, "sample_rows: rows must not be empty");
+  auto per_row = [R](const torch::Tensor& t, at::ScalarType type, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == R && t.scalar_type() == type && t.device().is_cpu(), "sample_rows: ", name,
+                " must be ", type, " [rows]");
+    return t.contiguous();
+  };
+  const torch::Tensor tc = per_row(temperature, at::kFloat, "temperature"), kc = per_row(top_k, at::kLong, "top_k"),
+                      pc = per_row(top_p, at::kFloat, "top_p"), mc = per_row(min_p, at::kFloat, "min_p"),
+                      uc = per_row(u, at::kFloat, "u");
+  const float *tp = tc.data_ptr<float>(), *pp = pc.data_ptr<float>(), *mp = mc.data_ptr<float>(), *up = uc.data_ptr<float>();
+  const int64_t* kp = kc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(tp[r] > 0.f && pp[r] > 0.f && pp[r] <= 1.f && mp[r] >= 0.f && mp[r] <= 1.f && up[r] >= 0.f && up[r] < 1.f,
+                "sample_rows: row ", r, " needs temperature > 0, top_p in (0, 1], min_p in [0, 1], u in [0, 1)");
+  torch::Tensor ids = torch::empty({R}, logits.options().dtype(at::kLong)), kept = torch::empty({R}, logits.options());
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* thp = kept.data_ptr<float>();
+  const float* xp = logits.data_ptr<float>();
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), R)));
+#pragma omp parallel num_threads(threads) if (threads > 1 && !omp_in_parallel())
+  {
+    static thread_local DrawScratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < R; ++r)
+      std::tie(ip[r], thp[r]) = sample_row(xp + r * ld, V, tp[r], kp[r], pp[r], mp[r], up[r], scratch);
+  }
+  return {ids, kept};
 }
