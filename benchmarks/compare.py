@@ -500,7 +500,8 @@ def run_engine(engine: str, a: argparse.Namespace, workloads: list[Workload], pr
                                  input_len=w.input_len, output_len=w.output_len, max_concurrency=w.concurrency,
                                  seed=workload_seed(a.seed, i),
                                  warmup=a.warmup if a.warmup >= 0 else min(w.concurrency, 4),
-                                 timeout=a.timeout, label=f"{engine} {w.title}")
+                                 timeout=a.timeout, label=f"{engine} {w.title}",
+                                 extra_body=json.loads(a.extra_body) if a.extra_body else {})
             if not srv.alive():
                 raise RuntimeError(f"{engine} died; log: {srv.log_path}\n{tail(srv.log_path)}")
             noise = NoiseMeter(srv)
@@ -613,6 +614,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per workload (0: max(8, 4*concurrency))")
     p.add_argument("--warmup", type=int, default=-1, help="warm-up requests per workload (-1: min(concurrency, 4))")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extra-body", default=None,
+                   help='JSON merged into every request of every engine, e.g. \'{"temperature": 0.7, "top_p": 0.95}\' '
+                        "(default: greedy, as vLLM's benchmark)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--port", type=int, default=0, help="port for every server (0: a free one each time)")
     p.add_argument("--python", default=os.path.join(REPO, ".venv", "bin", "python")
