@@ -193,6 +193,5 @@ class ModelRunner:
             return out
         rows = torch.tensor([row_of[start + (p - first)] for p in range(first, last)])
         targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1])
-        lps = logits[rows].log_softmax(-1)
-        out.extend(top_logprobs(lps, targets, [req.params.prompt_logprobs] * len(targets)))
+        out.extend(top_logprobs(logits[rows], targets, [req.params.prompt_logprobs] * len(targets)))
         return out

@@ -9,6 +9,7 @@ what else shares the batch.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -37,27 +38,39 @@ def _apply_bias_and_masks(logits: torch.Tensor, requests: list[Request]) -> None
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
-    rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
-    if not rows:
-        return
+    """Repetition penalty over each row's prompt and output tokens (as vLLM and HF: positive
+    logits divided by it, negative ones multiplied), then frequency and presence penalties over
+    its output tokens.  Every penalised row at once, touching only the tokens it has seen: per
+    row over the whole vocabulary, 32 rows with 100 outputs each took 9.8 ms (repetition) and
+    4.2 ms (frequency + presence) a step; ``logits`` must be contiguous."""
     vocab = logits.shape[1]
-    for row in rows:
-        req = requests[row]
-        p = req.params
-        out_ids = torch.tensor(req.output_token_ids, dtype=torch.long)
-        counts = torch.zeros(vocab, dtype=logits.dtype).index_add_(
-            0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype)
-        )
-        if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool)
-            seen[req.all_token_ids] = True  # prompt and output, as vLLM and HF do
-            lr = logits[row]
-            penalized = torch.where(lr > 0, lr / p.repetition_penalty, lr * p.repetition_penalty)
-            logits[row] = torch.where(seen, penalized, lr)
-        if p.frequency_penalty != 0.0:
-            logits[row] -= p.frequency_penalty * counts
-        if p.presence_penalty != 0.0:
-            logits[row] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+    flat = logits.view(-1)
+    params = [r.params for r in requests]
+
+    def seen(rows: list[int], ids_of: Callable[[Request], list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every (row, token) occurrence as a flat index into logits, and its row."""
+        lists = [ids_of(requests[r]) for r in rows]
+        # array -> frombuffer: ~5 us for 228 ids, torch.tensor(list) ~24
+        ids = torch.cat([torch.frombuffer(array.array("q", x), dtype=torch.long) for x in lists])
+        row = torch.tensor(rows, dtype=torch.long).repeat_interleave(torch.tensor([len(x) for x in lists]))
+        return ids + row * vocab, row
+
+    def per_row(values: list[float], rows: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype)[rows]
+
+    # A token seen several times is gathered and written back several times, with the same value.
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep:
+        idx, rows = seen(rep, lambda r: r.all_token_ids)
+        penalty = per_row([p.repetition_penalty for p in params], rows)
+        vals = flat[idx]
+        flat[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    freq = [i for i, p in enumerate(params)
+            if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and requests[i].output_token_ids]
+    if freq:
+        idx, rows = seen(freq, lambda r: r.output_token_ids)
+        flat.index_add_(0, idx, -per_row([p.frequency_penalty for p in params], rows))  # once per occurrence
+        flat[idx] = flat[idx] - per_row([p.presence_penalty for p in params], rows)  # once per token
 
 
 # With the extension, sampled rows are drawn natively (``sample_rows`` in engine/csrc/sampling.cpp):
@@ -244,21 +257,28 @@ def _row_params(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, to
     )
 
 
-def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, counts: list[int]) -> list[Optional[Logprob]]:
-    """Per row: the chosen token's log-probability and the ``count`` best alternatives (None where count < 0)."""
-    k = max(counts)
-    top_vals, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (None, None))
-    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    chosen_ids = chosen.tolist()
-    out: list[Optional[Logprob]] = []
-    for row, count in enumerate(counts):
-        if count < 0:
-            out.append(None)
-            continue
-        top = []
-        if count > 0:
-            top = list(zip(top_ids[row, :count].tolist(), top_vals[row, :count].tolist()))
-        out.append(Logprob(chosen_ids[row], chosen_lp[row], top))
+def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, counts: list[int]) -> list[Optional[Logprob]]:
+    """Per row of raw logits: the chosen token's log-probability and the ``count`` most likely
+    tokens with theirs (None where count < 0).  Natively (``logprobs_rows``) without a
+    log-softmaxed copy of the rows: for 32 rows of 49,152 logits torch's log_softmax and topk took
+    ~2.3 ms of a decode step."""
+    want = [i for i, c in enumerate(counts) if c >= 0]
+    out: list[Optional[Logprob]] = [None] * len(counts)
+    if not want:
+        return out
+    if len(want) < len(counts):
+        logits, chosen = logits[want], chosen[want]
+    k = max(counts[i] for i in want)
+    native = _native_op("logprobs_rows") if logits.dtype == torch.float32 else None
+    if native is not None:
+        chosen_lp, top_ids, top_vals = native(logits.contiguous(), chosen.contiguous(), k)
+    else:
+        lps = logits.log_softmax(-1)
+        chosen_lp = lps.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        top_vals, top_ids = (t[:, :k] for t in lps.sort(dim=-1, descending=True, stable=True))  # ties by index
+    lp_list, ids_list, vals_list, chosen_ids = chosen_lp.tolist(), top_ids.tolist(), top_vals.tolist(), chosen.tolist()
+    for j, i in enumerate(want):
+        out[i] = Logprob(chosen_ids[j], lp_list[j], list(zip(ids_list[j][: counts[i]], vals_list[j][: counts[i]])))
     return out
 
 
@@ -268,13 +288,13 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     Greedy rows take the argmax; sampled rows are drawn natively when the extension is there,
     else through :func:`_distributions` and :func:`_draw`, with the same uniform numbers either way."""
     counts = [r.params.logprobs if r.params.logprobs is not None else -1 for r in requests]
-    raw_logprobs = logits.log_softmax(-1) if any(c >= 0 for c in counts) else None
+    raw_logits = logits  # what logprobs report: the model's distribution, before biases and penalties
 
     if any(r.params.logit_bias or r.num_output_tokens < r.params.min_tokens for r in requests):
         logits = logits.clone()
         _apply_bias_and_masks(logits, requests)
     if any(r.params.has_penalties for r in requests):
-        logits = logits.clone()
+        logits = logits.clone(memory_format=torch.contiguous_format)
         _apply_penalties(logits, requests)
 
     greedy = any(r.params.greedy for r in requests)
@@ -293,7 +313,4 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
                 drawn = ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
             tokens[[sampled_rows[i] for i in rows]] = drawn
 
-    logprobs: list[Optional[Logprob]] = [None] * len(requests)
-    if raw_logprobs is not None:
-        logprobs = top_logprobs(raw_logprobs, tokens, counts)
-    return SamplerOutput(tokens.tolist(), logprobs)
+    return SamplerOutput(tokens.tolist(), top_logprobs(raw_logits, tokens, counts))

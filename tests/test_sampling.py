@@ -82,6 +82,41 @@ def test_logit_bias_min_tokens_and_penalties():
     assert sample(torch.tensor([[0.0, 2.5, 0.0, 0.0, 2.0, 1.5]]), r).token_ids == [5]
 
 
+def test_penalties_of_many_rows_match_the_per_row_definition():
+    """Penalties are applied to all rows at once through flat indices: each row gets exactly its
+    own tokens' penalties (repetition over prompt and output, frequency per occurrence, presence
+    once), rows without penalties are untouched."""
+    torch.manual_seed(2)
+    vocab = 300
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.3),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.4),
+        SamplingParams(temperature=0, repetition_penalty=0.8, frequency_penalty=-0.5),
+        SamplingParams(temperature=0, presence_penalty=1.5),
+        SamplingParams(temperature=0, frequency_penalty=1.0),  # no outputs yet
+    ]
+    requests = []
+    for i, p in enumerate(params):
+        r = Request(str(i), torch.randint(0, vocab, (20,)).tolist(), p)
+        for t in torch.randint(0, 40, (0 if i == 5 else 30,)).tolist():  # repeats
+            r.append_token(t)
+        requests.append(r)
+    logits = torch.randn(len(params), vocab) * 3
+    expected = logits.clone()
+    for row, r in enumerate(requests):
+        p, x = r.params, expected[row]
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[r.all_token_ids] = True
+        x[seen] = torch.where(x[seen] > 0, x[seen] / p.repetition_penalty, x[seen] * p.repetition_penalty)
+        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab).float()
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    got = logits.clone()
+    sampler._apply_penalties(got, requests)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+    assert torch.equal(got[1], logits[1])
+
+
 class FakeTokenizer:
     """Each token id decodes to one fixed piece, so stop strings can straddle tokens."""
 
@@ -411,3 +446,28 @@ def _draw_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return _draw(probs, reqs(*[SamplingParams(temperature=1.0)] * probs.shape[0]))
     finally:
         sampler._uniforms = orig
+
+
+@pytest.mark.parametrize("vocab", [7, 33, 5000, 49152])
+def test_logprobs_match_log_softmax_and_topk(vocab: int):
+    """Reported log-probabilities (natively: one exp pass and a running top-k, no log-softmaxed
+    copy) are log_softmax's, the alternatives topk's, most likely first and equal logits by
+    index; rows that asked for none get None, and counts differ per row."""
+    torch.manual_seed(vocab)
+    logits = torch.randn(6, vocab) * 4
+    logits[2, 1:5] = logits[2].max() + 1.0  # a four-way tie for the best
+    chosen = torch.randint(0, vocab, (6,))
+    counts = [0, 5, 3, -1, min(20, vocab), 1]
+    got = sampler.top_logprobs(logits, chosen, counts)
+    lps = logits.double().log_softmax(-1)
+    for row, count in enumerate(counts):
+        if count < 0:
+            assert got[row] is None
+            continue
+        lp = got[row]
+        assert lp.token_id == chosen[row].item()
+        assert math.isclose(lp.logprob, lps[row, chosen[row]].item(), rel_tol=1e-5, abs_tol=1e-5)
+        order = sorted(range(vocab), key=lambda i: (-logits[row, i].item(), i))[:count]
+        assert [t for t, _ in lp.top] == order
+        for t, v in lp.top:
+            assert math.isclose(v, lps[row, t].item(), rel_tol=1e-5, abs_tol=1e-5)

@@ -50,6 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = -1);
   m.def("sample_rows", &sample_rows, "temperature / top-k / top-p / min-p draw per row", nogil, py::arg("logits"),
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"));
+  m.def("logprobs_rows", &logprobs_rows, "log-probabilities of the chosen tokens and the k best per row", nogil,
+        py::arg("logits"), py::arg("chosen"), py::arg("k"));
   m.def("argmax_best_isa", &argmax_best_isa, "the argmax path used by default (0 scalar, 1 AVX2, 2 AVX-512)");
   // ---- end sampling.cpp ----
   // ---- decoder_layer.cpp ----

@@ -84,6 +84,11 @@ int64_t argmax_best_isa();
 std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
                                                      const torch::Tensor& top_k, const torch::Tensor& top_p,
                                                      const torch::Tensor& min_p, const torch::Tensor& u);
+// The log-probabilities users ask for, of the raw logits float32 [R, V] (rows contiguous): of each
+// row's chosen token int64 [R], and the row's k most likely tokens.  Returns (float32 [R], ids
+// int64 [R, k] most likely first, equal logits by index, float32 [R, k]); no [R, V] temporaries.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_rows(const torch::Tensor& logits,
+                                                                      const torch::Tensor& chosen, int64_t k);
 // ---- end sampling.cpp ----
 
 // ---- decoder_layer.cpp (a Llama layer's packed path around its attention; see engine/models/llama.py) ----

@@ -358,6 +358,42 @@ std::pair<int64_t, float> sample_row(const float* x, int64_t V, float temperatur
   return {draw_index(e, V, thr, s.chunk, u), thr};
 }
 
+// ---------------------------------------------------------------- logprobs (logprobs_rows)
+
+// Whole vectors of x from `from` on: calls offer(i) for each element above floor() (which
+// offers raise); returns where the scalar tail starts.
+template <typename Offer, typename Floor>
+__attribute__((target("avx512f"))) int64_t top_k_scan_avx512(const float* x, int64_t V, int64_t from, Offer offer,
+                                                             Floor floor) {
+  int64_t i = from;
+  __m512 fl = _mm512_set1_ps(floor());
+  for (; i + 16 <= V; i += 16) {
+    __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), fl, _CMP_GT_OQ);
+    if (!above) continue;
+    for (; above; above &= above - 1) offer(i + __builtin_ctz(above));
+    fl = _mm512_set1_ps(floor());
+  }
+  return i;
+}
+
+// The k largest of x (values descending, equal values by index), into vals / ids: a sorted list
+// of k, and only elements above its smallest are looked at one by one.
+void row_top_k(const float* x, int64_t V, int64_t k, float* vals, int64_t* ids) {
+  int64_t n = 0;
+  auto offer = [&](int64_t i) {
+    if (n == k && !(x[i] > vals[k - 1])) return;
+    int64_t j = n < k ? n++ : k - 1;
+    for (; j > 0 && x[i] > vals[j - 1]; --j) vals[j] = vals[j - 1], ids[j] = ids[j - 1];
+    vals[j] = x[i], ids[j] = i;
+  };
+  int64_t i = 0;
+  if (k > 0 && __builtin_cpu_supports("avx512f")) {
+    for (; i < V && n < k; ++i) offer(i);
+    i = top_k_scan_avx512(x, V, i, [&](int64_t at) { offer(at); }, [&] { return vals[k - 1]; });
+  }
+  for (; k > 0 && i < V; ++i) offer(i);
+}
+
 }  // namespace
 
 int64_t argmax_best_isa() {
@@ -443,4 +479,38 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits
       std::tie(ip[r], thp[r]) = sample_row(xp + r * ld, V, tp[r], kp[r], pp[r], mp[r], up[r], scratch);
   }
   return {ids, kept};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_rows(const torch::Tensor& logits,
+                                                                      const torch::Tensor& chosen, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.device().is_cpu(),
+              "logprobs_rows: logits must be a float32 CPU matrix with contiguous rows");
+  const int64_t R = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(V > 0 && k >= 0 && k <= V, "logprobs_rows: need 0 <= k <= vocabulary size");
+  TORCH_CHECK(chosen.dim() == 1 && chosen.size(0) == R && chosen.scalar_type() == at::kLong, "logprobs_rows: chosen must be int64 [rows]");
+  const torch::Tensor cc = chosen.contiguous();
+  const int64_t* cp = cc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(cp[r] >= 0 && cp[r] < V, "logprobs_rows: chosen token out of range");
+  torch::Tensor lp = torch::empty({R}, logits.options()), top_lp = torch::empty({R, k}, logits.options()),
+                top_ids = torch::empty({R, k}, logits.options().dtype(at::kLong));
+  const float* xp = logits.data_ptr<float>();
+  float *lpp = lp.data_ptr<float>(), *tvp = top_lp.data_ptr<float>();
+  int64_t* tip = top_ids.data_ptr<int64_t>();
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), R)));
+#pragma omp parallel num_threads(threads) if (threads > 1 && !omp_in_parallel())
+  {
+    static thread_local std::vector<float> e;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < R; ++r) {
+      const float* x = xp + r * ld;
+      const float m = x[argmax_row(static_cast<int>(argmax_best_isa()), x, V)];
+      e.resize(V);
+      // log_softmax(x)[i] = x[i] - lse; a NaN or infinite maximum leaves lse = m, as torch would give NaN / -inf
+      const float lse = std::isfinite(m) ? m + std::log(fused_exp_row(x, m, 1.f, e.data(), V)) : m;
+      lpp[r] = x[cp[r]] - lse;
+      row_top_k(x, V, k, tvp + r * k, tip + r * k);
+      for (int64_t j = 0; j < k; ++j) tvp[r * k + j] -= lse;
+    }
+  }
+  return {lp, top_ids, top_lp};
 }
