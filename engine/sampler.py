@@ -306,11 +306,11 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         native = _native_op("sample_rows") if sub_logits.dtype == torch.float32 else None
         if native is not None:
             tokens[sampled_rows] = native(sub_logits.contiguous(), *_row_params(sub), _uniforms(sub))[0]
-            sub = []
-        for rows, ids, probs in _distributions(sub_logits, sub) if sub else ():  # the torch path
-            drawn = _draw(probs, [sub[i] for i in rows])
-            if ids is not None:
-                drawn = ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
-            tokens[[sampled_rows[i] for i in rows]] = drawn
+        else:
+            for rows, ids, probs in _distributions(sub_logits, sub):
+                drawn = _draw(probs, [sub[i] for i in rows])
+                if ids is not None:
+                    drawn = ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
+                tokens[[sampled_rows[i] for i in rows]] = drawn
 
     return SamplerOutput(tokens.tolist(), top_logprobs(raw_logits, tokens, counts))
