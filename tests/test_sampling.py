@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from engine.engine import LLMEngine
 from engine.loader import load_model
 from engine.output_processor import RequestTextState
 from engine.request import Request, SamplingParams
-from engine import sampler
+from engine import native, sampler
 from engine.sampler import DRAW_CHUNK, _distributions, _draw, sample
 
 
@@ -386,16 +387,32 @@ def _draw_params(cases: list[tuple[float, int, float, float]]) -> tuple[torch.Te
     return sampler._row_params(reqs(*[SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp) for t, k, p, mp in cases]))
 
 
-def test_native_draw_keeps_exactly_what_a_full_sort_keeps():
+@pytest.mark.parametrize("exp_path", ["best", "each"])
+def test_native_draw_keeps_exactly_what_a_full_sort_keeps(exp_path: str):
     """sample() draws natively (engine/csrc/sampling.cpp) with one pass per row instead of torch's
     whole-vocabulary temporaries; what it keeps is still the textbook top-k, then top-p, then min-p
     over softmax(logits / temperature): flat and peaked rows, cuts found among its candidates and
-    cuts that need the whole row, the real vocabulary size included."""
+    cuts that need the whole row, the real vocabulary size included -- with the exp of the best
+    fused-op path, and of every path this CPU runs (scalar, AVX2, AVX-512)."""
     draw = _native_draw()
+    if exp_path == "each":
+        mod = native.module_with("fused_set_isa")
+        try:
+            for isa in mod.fused_isas():
+                mod.fused_set_isa(isa)
+                _check_native_draw(draw, vocabs=((3000, (0.01, 3.0)),))
+        finally:
+            mod.fused_set_isa(-1)
+        return
+    _check_native_draw(draw, vocabs=((3000, (0.01, 0.5, 3.0, 10.0)), (49152, (0.3, 3.0))))
+
+
+def _check_native_draw(draw: Callable[..., tuple[torch.Tensor, torch.Tensor]], vocabs: tuple) -> None:
+    """Native kept sets against the full-sort definition, over (vocab, logit scales) pairs."""
     torch.manual_seed(11)
     cases = [(t, k, p, mp) for t in (0.5, 1.0, 1.7) for k, p in ((0, 0.9), (50, 1.0), (40, 0.7), (0, 1.0), (2500, 0.99), (1, 1.0))
              for mp in (0.0, 0.1)]
-    for vocab, scales in ((3000, (0.01, 0.5, 3.0, 10.0)), (49152, (0.3, 3.0))):
+    for vocab, scales in vocabs:
         for scale in scales:
             logits = torch.randn(len(cases), vocab) * scale
             ids, kept_from = draw(logits, *_draw_params(cases), torch.rand(len(cases)))
