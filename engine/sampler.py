@@ -246,12 +246,13 @@ def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return chunk * DRAW_CHUNK + inside
 
 
-def _row_params(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The native draw's per-row temperature, top_k (0: none), top_p and min_p."""
+def _row_params(requests: list[Request], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The native draw's per-row temperature, top_k (0: none; clamped to the vocabulary, as
+    clients may send any integer), top_p and min_p."""
     ps = [r.params for r in requests]
     return (
         torch.tensor([p.temperature for p in ps], dtype=torch.float32),
-        torch.tensor([p.top_k for p in ps], dtype=torch.long),
+        torch.tensor([min(p.top_k, vocab) for p in ps], dtype=torch.long),
         torch.tensor([p.top_p for p in ps], dtype=torch.float32),
         torch.tensor([p.min_p for p in ps], dtype=torch.float32),
     )
@@ -305,7 +306,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         sub_logits = logits if len(sampled_rows) == len(requests) else logits[sampled_rows]
         native = _native_op("sample_rows") if sub_logits.dtype == torch.float32 else None
         if native is not None:
-            tokens[sampled_rows] = native(sub_logits.contiguous(), *_row_params(sub), _uniforms(sub))[0]
+            tokens[sampled_rows] = native(sub_logits.contiguous(), *_row_params(sub, sub_logits.shape[1]), _uniforms(sub))[0]
         else:
             for rows, ids, probs in _distributions(sub_logits, sub):
                 drawn = _draw(probs, [sub[i] for i in rows])

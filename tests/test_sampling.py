@@ -49,6 +49,13 @@ def test_top_k_top_p_min_p_restrict_the_draw():
         assert seen == allowed, params
 
 
+def test_top_k_beyond_any_integer_type_samples_the_whole_vocabulary():
+    """Clients may send any integer as top_k: past the vocabulary it removes nothing."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {sample(logits, reqs(SamplingParams(temperature=1.0, top_k=10**30))).token_ids[0] for _ in range(300)}
+    assert seen == {0, 1, 2, 3}
+
+
 def test_temperature_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     params = SamplingParams(temperature=1.0, seed=1)
@@ -384,7 +391,7 @@ def _native_draw():
 
 
 def _draw_params(cases: list[tuple[float, int, float, float]]) -> tuple[torch.Tensor, ...]:
-    return sampler._row_params(reqs(*[SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp) for t, k, p, mp in cases]))
+    return sampler._row_params(reqs(*[SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp) for t, k, p, mp in cases]), 10**9)
 
 
 @pytest.mark.parametrize("exp_path", ["best", "each"])
