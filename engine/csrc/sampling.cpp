@@ -216,7 +216,6 @@ constexpr float kMinWeight = 2e-38f;
 constexpr int kCensusFloors = 4;
 constexpr float kCensusValues[kCensusFloors] = {1.f / (1 << 4), 1.f / (1 << 8), 1.f / (1 << 12), 1.f / (1 << 16)};
 
-
 // Whole vectors of floor_census below; returns where the scalar tail starts.
 __attribute__((target("avx512f"))) int64_t floor_census_avx512(const float* e, int64_t V, int64_t* count, float* mass) {
   __m512 m[kCensusFloors];
