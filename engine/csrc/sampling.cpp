@@ -263,9 +263,7 @@ void floor_census(const float* e, int64_t V, int64_t* count, double* mass) {
   float m[kCensusFloors] = {0.f};
   for (int f = 0; f < kCensusFloors; ++f) count[f] = 0;
   int64_t i = 0;
-#if defined(__GNUC__)
-  if (__builtin_cpu_supports("avx512f")) i = floor_census_avx512(e, V, count, m);
-#endif
+  if (argmax_best_isa() == kArgmaxAvx512) i = floor_census_avx512(e, V, count, m);
   for (; i < V; ++i)
     for (int f = 0; f < kCensusFloors; ++f)
       if (e[i] >= kCensusValues[f]) ++count[f], m[f] += e[i];
@@ -277,9 +275,7 @@ double gather_candidates(const float* e, int64_t V, float floor, DrawScratch& s)
   s.cand.resize(V);
   s.cand_idx.resize(V);
   int64_t n = 0, i = 0;
-#if defined(__GNUC__)
-  if (__builtin_cpu_supports("avx512f")) i = gather_avx512(e, V, floor, s.cand.data(), s.cand_idx.data(), &n);
-#endif
+  if (argmax_best_isa() == kArgmaxAvx512) i = gather_avx512(e, V, floor, s.cand.data(), s.cand_idx.data(), &n);
   for (; i < V; ++i)
     if (e[i] >= floor) s.cand[n] = e[i], s.cand_idx[n++] = static_cast<int32_t>(i);
   s.cand.resize(n);
@@ -340,7 +336,7 @@ std::pair<int64_t, float> sample_row(const float* x, int64_t V, float temperatur
         if (top_k ? count[f] >= k : above[f] >= p * total) in_candidates = true, floor = kCensusValues[f];
     }
     const double mass = in_candidates ? gather_candidates(e, V, floor, s) : 0.0;
-    const int64_t n = static_cast<int64_t>(s.cand.size());
+    const int64_t n = in_candidates ? static_cast<int64_t>(s.cand.size()) : 0;  // s.cand is the last row's otherwise
     if (cut)
       thr = std::max(thr, in_candidates ? row_threshold(s.cand.data(), n, top_k ? k : 0, p, s.bucket, top_k ? 0.0 : total - mass)
                                         : row_threshold(e, V, k, p, s.bucket));
@@ -386,7 +382,7 @@ void row_top_k(const float* x, int64_t V, int64_t k, float* vals, int64_t* ids) 
     vals[j] = x[i], ids[j] = i;
   };
   int64_t i = 0;
-  if (k > 0 && __builtin_cpu_supports("avx512f")) {
+  if (k > 0 && argmax_best_isa() == kArgmaxAvx512) {
     for (; i < V && n < k; ++i) offer(i);
     i = top_k_scan_avx512(x, V, i, [&](int64_t at) { offer(at); }, [&] { return vals[k - 1]; });
   }
