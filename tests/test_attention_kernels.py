@@ -133,8 +133,8 @@ def run_both(isa, query, kv, meta, D, kv_cache_dtype, k_scale, v_scale):
 
 
 def int8_products(isa, kv_cache_dtype):
-    """Whether ``isa`` rounds queries to int8 and probabilities to u8 over this cache (vec512's
-    VNNI decode path, which AMX hands its decode units to), which the reference does not."""
+    """Whether ``isa`` rounds queries to int8 (and, for decode rows, probabilities to u8) over this
+    cache (vec512's VNNI paths, which AMX hands its decode units to), which the reference does not."""
     return kv_cache_dtype == "int8" and _base(isa) in ("vec512", "amx") and "avx512_vnni" in ops.cpu_flags()
 
 
@@ -142,7 +142,7 @@ def assert_close(got, expected, int8_products=False):
     assert not torch.isnan(got).any(), "rows left unwritten (NaN)"
     if int8_products:
         # int8 queries and u8 probabilities (max differences seen: ~0.03 on outputs of size ~1,
-        # means ~1e-3); test_int8_decode_path_arithmetic checks that arithmetic itself.
+        # means ~1e-3); test_int8_cache_path_arithmetic checks that arithmetic itself.
         torch.testing.assert_close(got.float(), expected.float(), atol=6e-2, rtol=5e-2)
         assert (got.float() - expected.float()).abs().mean().item() < 5e-3
     elif got.dtype == torch.bfloat16:
@@ -258,63 +258,76 @@ def test_extreme_scores_stay_finite(isa):
     assert_close(got, expected)
 
 
-def int8_decode_emulated(query, kv, meta, scale):
-    """What vec512's int8 decode path computes, written out in torch: each query row rounded to
-    int8 against its largest value, exact integer dot products with the int8 keys times the two
-    scales, an online softmax over tiles of 32 keys, and per tile the probabilities times the keys'
-    V scales rounded to u8 against the tile's largest, multiplied with the int8 values."""
+def int8_products_emulated(query, kv, meta, scale):
+    """What vec512's int8-cache paths compute, written out in torch.  Every query row is rounded to
+    int8 against its largest value and scored with exact integer dot products against the int8 keys,
+    times the two scales.  Work units take up to 64 rows (tokens x the kv head's query heads); in
+    units of at most 8 rows (the decode path) each row then runs an online softmax over tiles of 32
+    keys and, per tile, rounds the probabilities times the keys' V scales to u8 against the tile's
+    largest before multiplying the int8 values; larger (prompt) units keep fp32 probabilities
+    against the dequantised values.  Rows see the keys up to their own position."""
     H, D = query.shape[1], query.shape[2]
     Hkv, B = kv.shape[1], kv.shape[2]
     G = H // Hkv
     row_scales = ref.int8_row_scales(kv)
     out = torch.empty(query.shape, dtype=torch.float32)
     for i, L in enumerate(meta.seq_lens_list):
-        t = meta.query_start_loc_list[i]
-        assert meta.query_start_loc_list[i + 1] == t + 1, "decode rows only"
+        t0, t1 = meta.query_start_loc_list[i], meta.query_start_loc_list[i + 1]
         pos = torch.arange(L)
         blocks = meta.block_table[i, pos // B].long()
         rows, sc = kv[blocks, :, pos % B].float(), row_scales[blocks, :, pos % B]  # [L, Hkv, 2D], [L, Hkv, 2]
-        for h in range(H):
-            k, v, ks, vs = rows[:, h // G, :D], rows[:, h // G, D:], sc[:, h // G, 0], sc[:, h // G, 1]
-            q = query[t, h].float()
-            m = q.abs().max()
-            qi = torch.round(q * (torch.full_like(m, 127.0) / m)) if m > 0 else torch.zeros_like(q)
-            scores = (k @ qi) * (m / 127.0) * ks
-            m_run, l, o = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(D)
-            for k0 in range(0, L, 32):
-                st = scores[k0 : k0 + 32] * scale
-                m_new = torch.maximum(m_run, st.max())
-                alpha = torch.exp(m_run - m_new) if torch.isfinite(m_run) else torch.tensor(1.0)
-                p = torch.exp(st - m_new)
-                l = l * alpha + p.sum()
-                pv = p * vs[k0 : k0 + 32]
-                top = pv.max()
-                pq = torch.round(pv * (torch.full_like(top, 255.0) / top))
-                o = o * alpha + (pq @ v[k0 : k0 + 32]) * (top / 255.0)
-                m_run = m_new
-            out[t, h] = o / l
+        mtok = max(1, 64 // G)
+        for t in range(t0, t1):
+            visible = L - (t1 - t) + 1  # keys [0, visible) for this row
+            first = t0 + (t - t0) // mtok * mtok  # the first token of this row's work unit
+            decode_unit = min(mtok, t1 - first) * G <= 8
+            for h in range(H):
+                k, v, ks, vs = rows[:visible, h // G, :D], rows[:visible, h // G, D:], sc[:visible, h // G, 0], sc[:visible, h // G, 1]
+                q = query[t, h].float()
+                m = q.abs().max()
+                qi = torch.round(q * (torch.full_like(m, 127.0) / m)) if m > 0 else torch.zeros_like(q)
+                scores = (k @ qi) * (m / 127.0) * ks
+                if not decode_unit:
+                    out[t, h] = torch.softmax(scores * scale, 0) @ (v * vs[:, None])
+                    continue
+                m_run, l, o = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(D)
+                for k0 in range(0, visible, 32):
+                    st = scores[k0 : k0 + 32] * scale
+                    m_new = torch.maximum(m_run, st.max())
+                    alpha = torch.exp(m_run - m_new) if torch.isfinite(m_run) else torch.tensor(1.0)
+                    p = torch.exp(st - m_new)
+                    l = l * alpha + p.sum()
+                    pv = p * vs[k0 : k0 + 32]
+                    top = pv.max()
+                    pq = torch.round(pv * (torch.full_like(top, 255.0) / top))
+                    o = o * alpha + (pq @ v[k0 : k0 + 32]) * (top / 255.0)
+                    m_run = m_new
+                out[t, h] = o / l
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("gqa", [1, 3, 8])
 @pytest.mark.parametrize("head_size", [64, 80, 128])
-def test_int8_decode_path_arithmetic(head_size, gqa, dtype):
-    """vec512's int8 decode path against its arithmetic written out in torch (int8_decode_emulated):
-    the loose comparison with ref above would let a wrong offset or scale through."""
+def test_int8_cache_path_arithmetic(head_size, gqa, dtype):
+    """vec512's int8-cache paths (decode rows, and prompt chunks of up to 64 query rows per unit:
+    21 tokens x 3 heads, 8 x 8; longer chunks span several units) against their arithmetic written
+    out in torch (int8_products_emulated): the loose comparison with ref above would let a wrong
+    offset or scale through."""
     _need("vec512")
     if "avx512_vnni" not in ops.cpu_flags():
-        pytest.skip("the int8 decode path needs AVX512-VNNI")
-    q_seq = [(1, n) for n in (1, 17, 31, 32, 33, 300, 1500)]
+        pytest.skip("the int8 paths need AVX512-VNNI")
+    q_seq = [(1, n) for n in (1, 17, 31, 32, 33, 300, 1500)] + [(5, 5), (21, 21), (30, 97), (70, 300)]
     query, kv, meta = make_case(q_seq, 2 * gqa, 2, head_size, 16, dtype, torch.int8, seed=head_size * gqa)
     got = torch.full(query.shape, float("nan"), dtype=dtype)
     ops.paged_attention("vec512", query, kv, meta, head_size**-0.5, "int8", 1.0, 1.0, got)
-    expected = int8_decode_emulated(query, kv, meta, head_size**-0.5)
-    # Left: fp32 summation order and exp's polynomial (~1e-7 seen), and a bf16 model's output rounding.
+    expected = int8_products_emulated(query, kv, meta, head_size**-0.5)
+    # Left: fp32 summation order and exp's polynomial (~1e-7 seen), which now and then tips a u8
+    # probability rounding the other way (~2e-5 seen), and a bf16 model's output rounding.
     if dtype == torch.bfloat16:
-        torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-5)
+        torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-4)
     else:
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])

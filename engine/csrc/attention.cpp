@@ -2,7 +2,8 @@
 //
 // ISAs (chosen per call by the Python dispatch, checked here against the CPU):
 //   vec256   AVX2 + FMA + F16C, fp32 arithmetic (bf16 / fp8 / int8 widened on load)
-//   vec512   AVX-512 F/BW/VL + BF16: bf16 dot products with _mm512_dpbf16_ps, or fp32 FMAs
+//   vec512   AVX-512 F/BW/VL + BF16: bf16 dot products with _mm512_dpbf16_ps, or fp32 FMAs;
+//            over an int8 cache, VNNI int8 products (decode: Q K^T and P V; prompts: Q K^T)
 //   amx      AMX-BF16 tiles for Q K^T and P V (units of >= amx_min_rows() query rows:
 //            prefill tiles and decode GQA groups); smaller units take vec512
 //   amx_emu  the amx path on a software model of the tiles (tests on non-AMX hosts)
@@ -242,7 +243,8 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
   // Decode units over an int8 cache: vec512's VNNI path reads the rows as they are, where AMX tiles
   // would first dequantise every 32-key tile to bf16 for a handful of query rows (not measured on
   // AMX hardware yet; on a host without it the VNNI path ran 32 decodes 1.5-1.9x faster than bf16).
-  const bool int8_decode = p.kv_kind == KvKind::kI8 && R <= v512::Int8DecodeOps::kMaxRows && cpu_has_vnni();
+  const bool int8_vnni = p.kv_kind == KvKind::kI8 && cpu_has_vnni();
+  const bool int8_decode = int8_vnni && R <= v512::Int8DecodeOps::kMaxRows;
   switch (isa) {
     case Isa::kAmx:
 #if CPUSERVE_HAVE_AMX
@@ -260,6 +262,11 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
       break;
   }
   if (int8_decode) return &run_unit<v512::Int8DecodeOps>;
+  // Prompt units over an int8 cache: K . q on VNNI, P . V in fp32 (256-query chunks over 256-3000
+  // keys: 0.70-0.83x F32Ops's time, alternating in one process).  Probabilities as u16 in two VNNI
+  // digits were no faster than the FMAs: this Xeon runs one vpdpbusd (64 products) a cycle against
+  // two 16-lane FMAs, so two of them per product match the FMAs, and u8 ones cost prompt accuracy.
+  if (int8_vnni && R <= RMAX) return &run_unit<v512::Int8PrefillOps>;
   if (!bf16) return &run_unit<v512::F32Ops>;
   const bool fma = bf16_with_fma();
   if (R <= v512::Bf16DecodeOps::kMaxRows) return fma ? &run_unit<v512::Bf16FmaDecodeOps> : &run_unit<v512::Bf16DecodeOps>;

@@ -97,9 +97,9 @@ struct Scratch {
   const void* vrows[KT];
   alignas(64) float ksc[KT];  // int8 decode path: this tile's K and V row scales (0 past n)
   alignas(64) float vsc[KT];
-  float qsc[8];               // its query rows' int8 scales and sums of their int8 values
-  int32_t qsum[8];
-  float psc[8];               // and the scales of their probabilities rounded to u8
+  float qsc[RMAX];            // int8 paths: query rows' int8 scales and sums of their int8 values
+  int32_t qsum[RMAX];
+  float psc[8];               // decode path: the scales of its probabilities rounded to u8
 };
 
 inline Scratch& thread_scratch(const AttnParams& p) {

@@ -872,13 +872,24 @@ struct F32Ops {
 // operand (k + 128), which adds 128 * sum(q) to every score, taken back out before the two scales.
 // P . V: the probabilities, times the keys' V scales, rounded to u8 per row and tile of 32 keys.
 
+// Keys h * 16 .. h * 16 + 15 of a tile (those from n on as zeros), values [64c, 64c + 64) (zero past
+// D), sign bits flipped and transposed: t[j] holds the 16 keys' values 4j .. 4j + 3 as u8.
+static inline void keys_u8_transposed(const void* const* krows, int h, int n, int c, int D, __m512i t[16]) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __mmask64 mk = mask64(D - c * 64);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i)
+    t[i] = h * 16 + i < n ? _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, static_cast<const int8_t*>(krows[h * 16 + i]) + c * 64), flip)
+                          : _mm512_setzero_si512();
+  transpose16(t);
+}
+
 // S[r][0, KT) for RB int8 query rows (qs bytes apart, zero past D) against up to KT int8 key rows.
 template <int RB>
 static inline void qk_int8(const int8_t* q, int qs, const float* qsc, const int32_t* qsum, const void* const* krows,
                            const float* ksc, int D, int n, float* S) {
   // Independent accumulator chains: one per row alone would wait on vpdpbusd's latency.
   constexpr int NS = RB >= 6 ? 1 : RB >= 3 ? 2 : RB == 2 ? 4 : 8;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int h = 0; h < KT / 16; ++h) {
     if (h * 16 >= n) {
       for (int r = 0; r < RB; ++r) _mm512_store_ps(S + r * KT + h * 16, _mm512_setzero_ps());
@@ -890,13 +901,8 @@ static inline void qk_int8(const int8_t* q, int qs, const float* qsc, const int3
 #pragma GCC unroll 8
       for (int i = 0; i < NS; ++i) acc[r][i] = _mm512_setzero_si512();
     for (int c = 0; c * 64 < D; ++c) {
-      const __mmask64 mk = mask64(D - c * 64);
       __m512i t[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        t[i] = h * 16 + i < n ? _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, static_cast<const int8_t*>(krows[h * 16 + i]) + c * 64), flip)
-                              : _mm512_setzero_si512();
-      transpose16(t);  // t[j]: the 16 keys' values 4j .. 4j + 3 of this chunk
+      keys_u8_transposed(krows, h, n, c, D, t);
       const int32_t* q4 = reinterpret_cast<const int32_t*>(q) + c * 16;
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j)
@@ -1048,6 +1054,97 @@ struct Int8DecodeOps {
     }
   }
 
+  static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) { F32Ops::store(p, s, tok, ntok, kvh, R); }
+};
+
+// S[r][0, KT) for RB int8 query rows against a tile of keys already transposed to kt[Dq / 4][KT]
+// dwords (four u8 values of one key each, as qk_int8 builds them in registers).
+template <int RB>
+static inline void qk_int8_tile(const int8_t* q, int qs, const float* qsc, const int32_t* qsum, const int32_t* kt,
+                                const float* ksc, int ngroups, float* S) {
+  __m512i acc[RB][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  const int32_t* q4 = reinterpret_cast<const int32_t*>(q);
+  for (int j = 0; j < ngroups; ++j) {
+    const __m512i k0 = _mm512_load_si512(kt + j * KT), k1 = _mm512_load_si512(kt + j * KT + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m512i qb = _mm512_set1_epi32(q4[r * (qs / 4) + j]);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], k0, qb);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], k1, qb);
+    }
+  }
+  const __m512 ks0 = _mm512_load_ps(ksc), ks1 = _mm512_load_ps(ksc + 16);
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    const __m512i corr = _mm512_set1_epi32(128 * qsum[r]);
+    const __m512 sq = _mm512_set1_ps(qsc[r]);
+    _mm512_store_ps(S + r * KT, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], corr)), sq), ks0));
+    _mm512_store_ps(S + r * KT + 16, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], corr)), sq), ks1));
+  }
+}
+
+// Prompt units (more query rows than the decode path takes, up to RMAX) over an int8 cache.
+// K . q as the decode path computes it (query rows rounded to int8, VNNI products with the keys
+// as stored), but each tile's keys are transposed once into scratch for all the unit's rows,
+// where F32Ops dequantised and transposed them to fp32 for FMAs with 4x fewer products per
+// instruction.  The probabilities stay fp32, against V rows dequantised to fp32 (F32Ops's
+// softmax and P . V): rounding them to u8 as well, tried, cost greedy agreement on prompts.
+struct Int8PrefillOps {
+  static void begin(const AttnParams&, Scratch&, int) {}
+  static void end() {}
+
+  static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    Int8DecodeOps::load_q(p, s, tok, ntok, kvh, R);
+  }
+
+  __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
+    const uint8_t* rows[KT];
+    gather_rows(p, bt_row, kvh, k0, n, rows);
+    const int D = p.D, Dp = p.Dp;
+    float* v = static_cast<float*>(s.v);
+    for (int i = 0; i < KT; ++i) {
+      float* vd = v + i * Dp;
+      if (i >= n) {
+        s.ksc[i] = 0.f;
+        for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_setzero_ps());
+        continue;
+      }
+      s.ksc[i] = row_k_scale(p, rows[i]);
+      dequant_row_f32(rows[i] + D, D, Dp, p.kv_kind, row_v_scale(p, rows[i]), vd);
+    }
+    int32_t* kt = static_cast<int32_t*>(s.kt);
+    const void* const* krows = reinterpret_cast<const void* const*>(rows);
+    for (int h = 0; h < KT / 16; ++h) {
+      for (int c = 0; c * 64 < D; ++c) {
+        __m512i t[16];
+        if (h * 16 < n) {
+          keys_u8_transposed(krows, h, n, c, D, t);
+        } else {
+          for (int j = 0; j < 16; ++j) t[j] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm512_store_si512(kt + (c * 16 + j) * KT + h * 16, t[j]);
+      }
+    }
+  }
+
+  __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
+    (void)n;
+    const int8_t* q = static_cast<const int8_t*>(s.q);
+    const int32_t* kt = static_cast<const int32_t*>(s.kt);
+    const int Dq = (p.D + 63) / 64 * 64, ng = Dq / 4;
+    int r0 = 0;
+    for (; r0 + 8 <= R; r0 += 8) qk_int8_tile<8>(q + r0 * Dq, Dq, s.qsc + r0, s.qsum + r0, kt, s.ksc, ng, s.S + r0 * KT);
+    if (r0 < R)
+      with_rows_upto8(R - r0, [&](auto rb) {
+        qk_int8_tile<decltype(rb)::value>(q + r0 * Dq, Dq, s.qsc + r0, s.qsum + r0, kt, s.ksc, ng, s.S + r0 * KT);
+      });
+  }
+
+  static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) { F32Ops::softmax(p, s, R, k0, n, masked); }
+  static void pv(const AttnParams& p, Scratch& s, int R, int n) { F32Ops::pv(p, s, R, n); }
   static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) { F32Ops::store(p, s, tok, ntok, kvh, R); }
 };
 
