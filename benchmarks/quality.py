@@ -4,9 +4,12 @@ Every lower-precision path (bf16 activations, packed low-bit matmuls with 16- or
 activations, the row-int8 copies large batches use, int8 and fp8 KV caches) is run teacher-forced along
 the float32 reference's own greedy continuation, one decode step at a time (so the decode
 kernels are what is measured), and compared position by position: greedy agreement (same
-argmax) and the largest logit difference.  Prints a table; ``--json-out`` saves it.
+argmax) and the largest logit difference.  A second table does the same for every position of
+long prompts (this repository's own documents and code, read in chunks as a server reads
+prompts), where the prompt kernels -- batched matmuls, prompt attention over the cache -- and what
+they leave in the cache decide the logits.  Prints the tables; ``--json-out`` saves them.
 
-    python -m benchmarks.quality --prompts 8 --tokens 48
+    python -m benchmarks.quality --prompts 8 --tokens 48 --prompt-tokens 1000
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ PROMPTS = [
     "The difference between a list and a tuple in Python is",
     "A haiku about the ocean:\n",
 ]
+
+
+NUM_BLOCKS = 128  # 2048 tokens of KV cache per engine: one request at a time
 
 
 @dataclass
@@ -106,13 +112,59 @@ def forced_logits(engine: LLMEngine, prompt: list[int], continuation: list[int])
     return torch.stack(captured)
 
 
+# Long prompts: texts every checkout has, mixing prose, tables, shell and Python.
+PROMPT_FILES = ["README.md", "deploy/README.md", "benchmarks/README.md", "engine/scheduler.py"]
+
+
+def prompt_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position (each predicting the next prompt token), as a request with
+    prompt_logprobs gets them: the prompt goes through in the engine's usual chunks."""
+    captured: list[torch.Tensor] = []
+    model = engine.runner.model
+    original = model.compute_logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        out = original(hidden)
+        captured.append(out.float().clone())
+        return out
+
+    model.compute_logits = capture  # type: ignore[method-assign]
+    try:
+        engine.add_request("p", ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        model.compute_logits = original  # type: ignore[method-assign]
+    return torch.cat(captured)[: len(ids) - 1]  # the last row predicts past the prompt
+
+
+def compare(logits: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
+    """Greedy agreement and logit differences of one variant against the reference, all positions pooled."""
+    agree = sum(int((a.argmax(-1) == r.argmax(-1)).sum()) for a, r in zip(logits, refs))
+    diffs = torch.cat([(a - r).abs().amax(-1) for a, r in zip(logits, refs)])
+    return {
+        "greedy_agreement": agree / len(diffs),
+        "max_logit_diff": float(diffs.max()),
+        "median_max_logit_diff": float(diffs.median()),
+        "positions": len(diffs),
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| path | greedy agreement | max logit diff | median per position |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['variant']} | {100 * r['greedy_agreement']:.1f}% ({r['positions']} positions) | "
+              f"{r['max_logit_diff']:.3f} | {r['median_max_logit_diff']:.3f} |")
+
+
 def make_engine(v: Variant, loaded) -> LLMEngine:  # noqa: ANN001
     for key, value in (v.env or {}).items():
         os.environ[key] = value
     try:
         cfg = EngineConfig(
             model="default", dtype=v.dtype, weight_quant=v.weight_quant,
-            cache=CacheConfig(num_blocks=64, kv_cache_dtype=v.kv_cache_dtype),
+            cache=CacheConfig(num_blocks=NUM_BLOCKS, kv_cache_dtype=v.kv_cache_dtype),
         )
         engine = LLMEngine(cfg, loaded=loaded)
         if v.every_batch_on_rows_int8:
@@ -127,11 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompt-tokens", type=int, default=1000, help="tokens of each long prompt (0: skip that table)")
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
+    if args.prompt_tokens + 1 > NUM_BLOCKS * 16:
+        raise SystemExit(f"--prompt-tokens: at most {NUM_BLOCKS * 16 - 1}")
 
     t0 = time.time()
-    ref_engine = LLMEngine(EngineConfig(model="default", dtype="float32", weight_quant="none", cache=CacheConfig(num_blocks=64)))
+    ref_engine = LLMEngine(EngineConfig(model="default", dtype="float32", weight_quant="none", cache=CacheConfig(num_blocks=NUM_BLOCKS)))
     tok = ref_engine.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
     refs = []
@@ -142,41 +197,35 @@ def main(argv: list[str] | None = None) -> int:
             ref_engine.step()
         refs.append(req.output_token_ids)
     ref_logits = [forced_logits(ref_engine, p, c) for p, c in zip(prompts, refs)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    texts = []
+    if args.prompt_tokens:
+        for name in PROMPT_FILES:
+            with open(os.path.join(root, name), encoding="utf-8") as f:
+                texts.append(tok.encode(f.read())[: args.prompt_tokens])
+    ref_prompt_logits = [prompt_logits(ref_engine, ids) for ids in texts]
     del ref_engine
 
-    rows = []
+    rows, prompt_rows = [], []
     loaded = {dtype: load_model("default", getattr(torch, dtype)) for dtype in ("bfloat16", "float32")}
     for v in VARIANTS:
         engine = make_engine(v, loaded[v.dtype])
-        agree = total = 0
-        max_diff = 0.0
-        diffs = []
-        for p, c, ref in zip(prompts, refs, ref_logits):
-            logits = forced_logits(engine, p, c)
-            agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
-            total += len(c)
-            d = (logits - ref).abs().amax(-1)
-            max_diff = max(max_diff, float(d.max()))
-            diffs.append(d)
-        rows.append({
-            "variant": v.name,
-            "greedy_agreement": agree / total,
-            "max_logit_diff": max_diff,
-            "median_max_logit_diff": float(torch.cat(diffs).median()),
-            "positions": total,
-        })
+        logits = [forced_logits(engine, p, c) for p, c in zip(prompts, refs)]
+        rows.append({"variant": v.name, **compare(logits, ref_logits)})
+        if texts:
+            logits = [prompt_logits(engine, ids) for ids in texts]
+            prompt_rows.append({"variant": v.name, **compare(logits, ref_prompt_logits)})
         del engine
 
-    print(f"\nTeacher-forced against the float32 dense reference: {len(prompts)} prompts x {args.tokens} decode steps "
-          f"({time.time() - t0:.0f} s)\n")
-    print("| path | greedy agreement | max logit diff | median per step |")
-    print("| --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['variant']} | {100 * r['greedy_agreement']:.1f}% ({r['positions']} positions) | "
-              f"{r['max_logit_diff']:.3f} | {r['median_max_logit_diff']:.3f} |")
+    print(f"\nTeacher-forced against the float32 dense reference ({time.time() - t0:.0f} s).\n")
+    print(f"Decode steps: {len(prompts)} prompts x {args.tokens} steps\n")
+    print_table(rows)
+    if prompt_rows:
+        print(f"\nPrompt positions: {len(texts)} texts x {args.prompt_tokens} tokens ({', '.join(PROMPT_FILES)})\n")
+        print_table(prompt_rows)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"decode": rows, "prompt": prompt_rows}, f, indent=2)
     return 0
 
 
