@@ -15,11 +15,13 @@ they leave in the cache decide the logits.  Prints the tables; ``--json-out`` sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -86,39 +88,9 @@ VARIANTS = [
 ]
 
 
-def forced_logits(engine: LLMEngine, prompt: list[int], continuation: list[int]) -> torch.Tensor:
-    """Logits behind each continuation token, feeding the given continuation instead of the samples."""
-    captured: list[torch.Tensor] = []
-    model = engine.runner.model
-    original = model.compute_logits
-
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        out = original(hidden)
-        captured.append(out[-1].float().clone())
-        return out
-
-    model.compute_logits = capture  # type: ignore[method-assign]
-    try:
-        reqs = engine.add_request("q", prompt, SamplingParams(max_tokens=len(continuation), temperature=0, ignore_eos=True))
-        req = reqs[0]
-        while not req.is_finished:
-            sched = engine.scheduler.schedule()
-            engine.runner.execute(sched)
-            forced = {s.request.request_id: continuation[req.num_output_tokens] for s in sched.scheduled if s.samples}
-            engine.scheduler.update(sched, forced)
-        engine.text_states.clear()
-    finally:
-        model.compute_logits = original  # type: ignore[method-assign]
-    return torch.stack(captured)
-
-
-# Long prompts: texts every checkout has, mixing prose, tables, shell and Python.
-PROMPT_FILES = ["README.md", "deploy/README.md", "benchmarks/README.md", "engine/scheduler.py"]
-
-
-def prompt_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position (each predicting the next prompt token), as a request with
-    prompt_logprobs gets them: the prompt goes through in the engine's usual chunks."""
+@contextlib.contextmanager
+def captured_logits(engine: LLMEngine) -> Iterator[list[torch.Tensor]]:
+    """A float32 copy of every logits matrix the model computes while inside."""
     captured: list[torch.Tensor] = []
     model = engine.runner.model
     original = model.compute_logits
@@ -130,11 +102,36 @@ def prompt_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 
     model.compute_logits = capture  # type: ignore[method-assign]
     try:
+        yield captured
+    finally:
+        model.compute_logits = original  # type: ignore[method-assign]
+
+
+def forced_logits(engine: LLMEngine, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Logits behind each continuation token, feeding the given continuation instead of the samples."""
+    with captured_logits(engine) as captured:
+        reqs = engine.add_request("q", prompt, SamplingParams(max_tokens=len(continuation), temperature=0, ignore_eos=True))
+        req = reqs[0]
+        while not req.is_finished:
+            sched = engine.scheduler.schedule()
+            engine.runner.execute(sched)
+            forced = {s.request.request_id: continuation[req.num_output_tokens] for s in sched.scheduled if s.samples}
+            engine.scheduler.update(sched, forced)
+        engine.text_states.clear()
+    return torch.stack([c[-1] for c in captured])
+
+
+# Long prompts: texts every checkout has, mixing prose, tables, shell and Python.
+PROMPT_FILES = ["README.md", "deploy/README.md", "benchmarks/README.md", "engine/scheduler.py"]
+
+
+def prompt_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position (each predicting the next prompt token), as a request with
+    prompt_logprobs gets them: the prompt goes through in the engine's usual chunks."""
+    with captured_logits(engine) as captured:
         engine.add_request("p", ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
         while engine.has_unfinished():
             engine.step()
-    finally:
-        model.compute_logits = original  # type: ignore[method-assign]
     return torch.cat(captured)[: len(ids) - 1]  # the last row predicts past the prompt
 
 
