@@ -71,6 +71,24 @@ def test_default_model_load_time(default_model, capsys):
         print(f"\n[loader] default model ({Path(loaded.source).name}) loaded in {seconds:.2f} s (float32)")
 
 
+def test_reader_parses_metadata_like_gguf(tmp_path):
+    """The loader's reader builds its array fields itself (10x faster); every field must come out
+    as gguf.GGUFReader's: the same parts (dtype, shape, bytes), data indexes, types and contents,
+    for the default model's 49k-entry vocabulary and merges and a tiny model's."""
+    from engine.loader.gguf import _reader_class
+
+    for path in (smollm2_gguf_path(), make_tiny_gguf(tmp_path, "llama", "Q8_0")):
+        ours, theirs = _reader_class()(str(path), "c"), GGUFReader(str(path), "c")
+        assert list(ours.fields) == list(theirs.fields)
+        for name, a in theirs.fields.items():
+            b = ours.fields[name]
+            assert (b.offset, b.data, b.types) == (a.offset, a.data, a.types), name
+            assert [(p.dtype, p.shape, p.tobytes()) for p in b.parts] == [(p.dtype, p.shape, p.tobytes()) for p in a.parts]
+            assert b.contents() == a.contents(), name
+        assert ours.data_offset == theirs.data_offset
+        assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
+
+
 def test_resolve_default():
     path = resolve_model_path("default")
     assert path.endswith(".gguf") and Path(path).is_file()
@@ -305,6 +323,20 @@ def test_truncated_gguf(tmp_path):
     good = make_tiny_gguf(tmp_path, "llama", "Q8_0").read_bytes()
     bad = tmp_path / "truncated.gguf"
     bad.write_bytes(good[:1000])
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        load_model(str(bad), torch.float32)
+
+
+def test_gguf_truncated_inside_its_vocabulary(tmp_path):
+    """A file cut inside the tokenizer's string array fails as an invalid GGUF file, not with a
+    string silently shortened to what is left of the file."""
+    good = make_tiny_gguf(tmp_path, "llama", "Q8_0")
+    reader = GGUFReader(str(good))
+    field = reader.fields["tokenizer.ggml.tokens"]
+    cut = field.parts[field.data[-1]].ctypes.data - reader.data.ctypes.data  # the last token's first byte
+    assert 0 < cut < reader.data_offset
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(good.read_bytes()[:cut])
     with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
         load_model(str(bad), torch.float32)
 
