@@ -478,6 +478,21 @@ def test_rows_int8_paths_agree_and_take_views():
     torch.testing.assert_close(y, fast(x.contiguous()), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_rows_int8_copy_is_bit_identical_to_the_torch_definition(qtype):
+    """The native conversion the loader runs (rows_int8_from) writes exactly the bytes and scales of
+    quantize_rows_int8 over the dequantized blocks: padding rows of the last group included, an
+    all-zero row (scale 0) included, so a model's row-int8 products do not depend on which built it."""
+    n, k = 37, 160
+    raw = random_blocks(qtype, n, k, seed=3)
+    raw[5] = 0  # every block's scale 0: the row dequantizes to zeros
+    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k))
+    fast, ref = Q.rows_int8_from(pw), Q.quantize_rows_int8(pw.dequantize())
+    assert fast.shape == ref.shape == (n, k)
+    assert torch.equal(fast.scales, ref.scales) and fast.scales[5] == 0
+    assert torch.equal(fast.data, ref.data)
+
+
 def test_linear_routes_large_batches_to_rows_int8():
     """Small batches: the packed blocks at 16-bit activations; then the blocks with int8
     activations; from ROWS_INT8_MIN_ROWS rows (by the blocks' family) the row-int8 copy (each

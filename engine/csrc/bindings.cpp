@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_isas", &qlinear_isas, "qlinear instruction-set paths usable on this CPU");
   m.def("qlinear_best_isa", &qlinear_best_isa, "the qlinear path used by default");
   // ---- end qlinear.cpp ----
+  m.def("qlinear_rows_from_packed", &qlinear_rows_from_packed, "row-scaled int8 copy of a packed weight", nogil,
+        py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("k"));
   // ---- work_spans.cpp ----
   m.def("work_spans_trace", &work_spans_trace, "test hook: run units over stealable spans, report who ran each",
         nogil, py::arg("units"), py::arg("threads"), py::arg("stalled_thread") = -1, py::arg("stall_us") = 0,

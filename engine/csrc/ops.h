@@ -22,6 +22,12 @@ std::vector<int64_t> qlinear_isas();  // usable paths: 0 scalar, 1 avx2, 2 avx-v
 int64_t qlinear_best_isa();
 // ---- end qlinear.cpp ----
 
+// ---- qlinear_rows.cpp ----
+// [data, scales]: the row-scaled int8 copy (qlinear.h) of a packed Q4_0 / Q4_1 / Q8_0 weight [n, k],
+// bit-identical to engine/layers/quant.py's torch definition (quantize_rows_int8 of the dequantized blocks).
+std::vector<torch::Tensor> qlinear_rows_from_packed(const torch::Tensor& packed, int64_t qtype, int64_t n, int64_t k);
+// ---- end qlinear_rows.cpp ----
+
 // ---- work_spans.cpp (test hook for work_spans.h, the split of qlinear's parallel loops) ----
 // [2, units] int64, how many times each unit ran and which thread ran
 // it, with `stalled_thread` (-1: none) held back stall_us before it starts; each unit busy unit_us.

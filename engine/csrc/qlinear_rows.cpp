@@ -1,0 +1,136 @@
+// The row-scaled int8 copy of a packed GGUF-block weight (both layouts in qlinear.h), built at load.
+//
+// engine/layers/quant.py defines the conversion in torch ops (dequantize the blocks to float32, round
+// each row to int8 against its largest magnitude); on the default model that took ~0.85 s of every
+// start-up in full-size float32 temporaries.  This does the same arithmetic one row at a time, rows
+// of a group in cache, groups split across threads, and must stay bit-identical to the torch
+// definition (tests/test_qlinear.py compares them): the same float32 operations in the same order,
+// separate multiplies and adds (no FMA: neither the baseline x86-64 target nor the AVX2 clone below
+// enables one to contract them into), round half to even for torch.round.
+#include "ops.h"
+#include "qlinear.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace qlinear;
+
+inline float half_at(const uint8_t* p, int i) {
+  return static_cast<float>(c10::Half(reinterpret_cast<const uint16_t*>(p)[i], c10::Half::from_bits()));
+}
+
+// Row r of packed group `wg` (nb group-blocks of `qtype`) dequantized into row[k], as
+// quant.py's dequantize_blocks computes it: Q8_0 q * d, Q4_0 (q - 8) * d, Q4_1 q * d + m.
+// A row's quants sit in 4-byte words 64 bytes apart (the 16 rows interleaved); they are copied
+// together first so that the arithmetic runs over contiguous bytes.
+inline __attribute__((always_inline)) void dequantize_row(const uint8_t* wg, int qtype, int nb, int r, float* row) {
+  const int gbytes = group_block_bytes(qtype);
+  uint8_t q[kBlock];
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* gb = wg + static_cast<int64_t>(b) * gbytes;
+    float* out = row + b * kBlock;
+    if (qtype == kQ8_0) {
+      for (int c = 0; c < 8; ++c) std::memcpy(q + 4 * c, gb + c * 64 + r * 4, 4);
+      const float d = half_at(gb + 512, r);
+      for (int i = 0; i < kBlock; ++i) out[i] = static_cast<float>(static_cast<int8_t>(q[i] ^ 0x80)) * d;
+      continue;
+    }
+    for (int c = 0; c < 4; ++c) std::memcpy(q + 4 * c, gb + c * 64 + r * 4, 4);
+    const float d = half_at(gb + 256, r);
+    if (qtype == kQ4_0) {
+      for (int i = 0; i < 16; ++i) {
+        out[i] = (static_cast<float>(q[i] & 15) - 8.f) * d;
+        out[16 + i] = (static_cast<float>(q[i] >> 4) - 8.f) * d;
+      }
+    } else {
+      const float m = half_at(gb + 288, r);
+      for (int i = 0; i < 16; ++i) {
+        const float lo = static_cast<float>(q[i] & 15) * d, hi = static_cast<float>(q[i] >> 4) * d;
+        out[i] = lo + m;
+        out[16 + i] = hi + m;
+      }
+    }
+  }
+}
+
+// Largest |x| of row[0, k) (k a multiple of 32), in eight running maxima that vectorize.
+inline __attribute__((always_inline)) float row_amax(const float* row, int64_t k) {
+  float m[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t i = 0; i < k; i += 8)
+    for (int l = 0; l < 8; ++l) m[l] = std::max(m[l], std::fabs(row[i + l]));
+  return *std::max_element(m, m + 8);
+}
+
+// x rounded to the nearest integer, ties to even, for |x| < 2^22: the float addition rounds in the
+// current mode (nearest-even), and this vectorizes where a libm nearbyint call does not.
+inline float round_even(float x) {
+  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23
+  return (x + kMagic) - kMagic;
+}
+
+// Group g's 16 rows (those past n as padding) into the row-int8 layout; `row` holds k floats.
+inline __attribute__((always_inline)) void convert_group(const uint8_t* w, int qtype, int64_t n, int64_t k, int64_t g, float* row, uint8_t* out, float* sc) {
+  const int64_t nb = k / kBlock;
+  const int gbytes = group_block_bytes(qtype);
+  uint8_t* og = out + g * nb * kRowsBlockBytes;
+  for (int r = 0; r < kGroupRows; ++r) {
+    const int64_t global = g * kGroupRows + r;
+    if (global >= n) {  // padding rows: q = 0 (stored + 128), scale 0
+      for (int64_t b = 0; b < nb; ++b)
+        for (int c = 0; c < 8; ++c) std::fill_n(og + b * kRowsBlockBytes + c * 64 + r * 4, 4, uint8_t{128});
+      continue;
+    }
+    dequantize_row(w + g * nb * gbytes, qtype, static_cast<int>(nb), r, row);
+    const float d = row_amax(row, k) / 127.f;
+    const float inv = d == 0.f ? 0.f : 1.f / d;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = row + b * kBlock;
+      uint8_t q[kBlock];
+      for (int i = 0; i < kBlock; ++i)
+        q[i] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, round_even(xb[i] * inv)))) + 128);
+      for (int c = 0; c < 8; ++c) std::memcpy(og + b * kRowsBlockBytes + c * 64 + r * 4, q + 4 * c, 4);
+    }
+    sc[global] = d;
+  }
+}
+
+// The same code compiled for AVX2 (and not FMA) vectorizes its loops: ~2x faster on the default model.
+__attribute__((target("avx2"))) void convert_group_avx2(const uint8_t* w, int qtype, int64_t n, int64_t k, int64_t g,
+                                                         float* row, uint8_t* out, float* sc) {
+  convert_group(w, qtype, n, k, g, row, out, sc);
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> qlinear_rows_from_packed(const torch::Tensor& packed, int64_t qtype, int64_t n, int64_t k) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear_rows_from_packed: qtype must be Q4_0, Q4_1 or Q8_0");
+  TORCH_CHECK(n > 0 && k > 0 && k % kBlock == 0, "qlinear_rows_from_packed: bad shape");
+  const int64_t groups = (n + kGroupRows - 1) / kGroupRows, nb = k / kBlock;
+  const int gbytes = group_block_bytes(static_cast<int>(qtype));
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == groups * nb * gbytes,
+              "qlinear_rows_from_packed: packed weight does not match its shape");
+  torch::Tensor data = torch::empty({groups * nb * kRowsBlockBytes}, packed.options());
+  torch::Tensor scales = torch::zeros({groups * kGroupRows}, packed.options().dtype(at::kFloat));
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  uint8_t* out = data.data_ptr<uint8_t>();
+  float* sc = scales.data_ptr<float>();
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> row(k);
+    for (int64_t g = g0; g < g1; ++g) {
+      if (avx2)
+        convert_group_avx2(w, static_cast<int>(qtype), n, k, g, row.data(), out, sc);
+      else
+        convert_group(w, static_cast<int>(qtype), n, k, g, row.data(), out, sc);
+    }
+  });
+  return {data, scales};
+}
