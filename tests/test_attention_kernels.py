@@ -237,16 +237,19 @@ def test_int8_cache_context_splits(isa, num_threads, threads):
         assert_close(got, expected, int8_products=int8_products(isa, "int8"))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("block_size", [8, 48, 64])
 @pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256"])
-def test_other_block_sizes(isa, block_size):
-    """Key tiles of 32 straddle or split blocks of any size."""
+def test_other_block_sizes(isa, block_size, kv_cache_dtype):
+    """Key tiles of 32 straddle or split blocks of any size (an int8 cache's decode path reads a
+    tile's rows and scales 16 rows of a block at a time)."""
     _need(isa)
-    if not native.supports(_base(isa), torch.bfloat16, block_size, 64, "auto"):
+    if not native.supports(_base(isa), torch.bfloat16, block_size, 64, kv_cache_dtype):
         pytest.skip(f"{isa} does not take block size {block_size}")
-    query, kv, meta = make_case(MIXED, 6, 2, 64, block_size, torch.bfloat16, torch.bfloat16, seed=block_size)
-    got, expected = run_both(isa, query, kv, meta, 64, "auto", 1.0, 1.0)
-    assert_close(got, expected)
+    cache_dtype = QUANT.get(kv_cache_dtype, torch.bfloat16)
+    query, kv, meta = make_case(MIXED, 6, 2, 64, block_size, torch.bfloat16, cache_dtype, seed=block_size)
+    got, expected = run_both(isa, query, kv, meta, 64, kv_cache_dtype, 1.0, 1.0)
+    assert_close(got, expected, int8_products=int8_products(isa, kv_cache_dtype))
 
 
 @pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256"])
