@@ -76,7 +76,8 @@ inline float round_even(float x) {
 }
 
 // Group g's 16 rows (those past n as padding) into the row-int8 layout; `row` holds k floats.
-inline __attribute__((always_inline)) void convert_group(const uint8_t* w, int qtype, int64_t n, int64_t k, int64_t g, float* row, uint8_t* out, float* sc) {
+inline __attribute__((always_inline)) void convert_group(const uint8_t* w, int qtype, int64_t n, int64_t k, int64_t g,
+                                                         float* row, uint8_t* out, float* sc) {
   const int64_t nb = k / kBlock;
   const int gbytes = group_block_bytes(qtype);
   uint8_t* og = out + g * nb * kRowsBlockBytes;
@@ -110,7 +111,8 @@ __attribute__((target("avx2"))) void convert_group_avx2(const uint8_t* w, int qt
 }  // namespace
 
 std::vector<torch::Tensor> qlinear_rows_from_packed(const torch::Tensor& packed, int64_t qtype, int64_t n, int64_t k) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear_rows_from_packed: qtype must be Q4_0, Q4_1 or Q8_0");
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
+              "qlinear_rows_from_packed: qtype must be Q4_0, Q4_1 or Q8_0");
   TORCH_CHECK(n > 0 && k > 0 && k % kBlock == 0, "qlinear_rows_from_packed: bad shape");
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows, nb = k / kBlock;
   const int gbytes = group_block_bytes(static_cast<int>(qtype));

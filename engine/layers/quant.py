@@ -293,7 +293,7 @@ def quantize_rows_int8(w: torch.Tensor, isa: Optional[str] = None) -> RowInt8Wei
 def rows_int8_from(packed: PackedWeight, isa: Optional[str] = None) -> RowInt8Weight:
     """The row-int8 copy of a packed weight: ``quantize_rows_int8(packed.dequantize())``, computed
     natively a row at a time (bit-identical; the torch ops' float32 temporaries took ~0.85 s of the
-    default model's start-up, the native pass ~0.05 s)."""
+    default model's start-up, the native pass ~0.1 s)."""
     data, scales = _native().qlinear_rows_from_packed(packed.data, packed.qtype_id, *packed.shape)
     return RowInt8Weight(data, scales, packed.shape, isa)
 
