@@ -152,22 +152,28 @@ struct WorkUnit {
   int64_t cost;
 };
 
-// Row pointers (K at [0, D), V at [D, 2D)) of key positions [k0, k0 + n): one division
-// per tile, then walk the block table.
+// The runs of key positions [k0, k1) that sit back to back in one block of kv head kvh:
+// fn(first_row, i, m) for rows k0 + i .. k0 + i + m - 1, m <= B, rows kv_so elements apart.
+// One division per call, then the block table in order (entries past k1's block unread).
+template <class F>
+inline void for_each_block_run(const AttnParams& p, const int32_t* bt_row, int kvh, int k0, int k1, F&& fn) {
+  const uint8_t* head = p.kv + (static_cast<int64_t>(kvh) * p.kv_sh) * p.kv_elt;
+  int b = k0 / p.B, off = k0 - b * p.B;
+  for (int k = k0; k < k1;) {
+    const int m = std::min(k1 - k, p.B - off);
+    fn(head + (bt_row[b] * p.kv_sb + off * p.kv_so) * p.kv_elt, k - k0, m);
+    k += m;
+    off = 0;
+    ++b;
+  }
+}
+
+// Row pointers (K at [0, D), V at [D, 2D)) of key positions [k0, k0 + n).
 inline void gather_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int k0, int n, const uint8_t** rows) {
   const int64_t row_bytes = p.kv_so * p.kv_elt;
-  int b = k0 / p.B, off = k0 - b * p.B;
-  const uint8_t* head = p.kv + (static_cast<int64_t>(kvh) * p.kv_sh) * p.kv_elt;
-  const uint8_t* row = head + (bt_row[b] * p.kv_sb + off * p.kv_so) * p.kv_elt;
-  for (int i = 0; i < n; ++i) {
-    rows[i] = row;
-    if (++off == p.B) {
-      off = 0;
-      if (i + 1 < n) row = head + (bt_row[++b] * p.kv_sb) * p.kv_elt;
-    } else {
-      row += row_bytes;
-    }
-  }
+  for_each_block_run(p, bt_row, kvh, k0, k0 + n, [&](const uint8_t* first, int i, int m) {
+    for (int j = 0; j < m; ++j) rows[i + j] = first + j * row_bytes;
+  });
 }
 
 // Load every cache line of key positions [k0, k1) once, with plain independent loads,
@@ -182,7 +188,6 @@ inline void gather_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int
 constexpr int kTouchStreams = 4;
 inline void touch_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int k0, int k1) {
   const int64_t row_bytes = p.kv_so * p.kv_elt;
-  const uint8_t* head = p.kv + (static_cast<int64_t>(kvh) * p.kv_sh) * p.kv_elt;
   __m128i acc = _mm_setzero_si128();
   const uint8_t* start[kTouchStreams];
   int64_t lines[kTouchStreams];
@@ -195,16 +200,11 @@ inline void touch_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int 
         if (j < lines[s]) acc = _mm_or_si128(acc, _mm_loadu_si128(reinterpret_cast<const __m128i*>(start[s] + 64 * j)));
     ns = 0;
   };
-  int b = k0 / p.B, off = k0 - b * p.B;
-  for (int k = k0; k < k1;) {
-    const int m = std::min(k1 - k, p.B - off);
-    start[ns] = head + (bt_row[b] * p.kv_sb + off * p.kv_so) * p.kv_elt;
+  for_each_block_run(p, bt_row, kvh, k0, k1, [&](const uint8_t* first, int, int m) {
+    start[ns] = first;
     lines[ns] = (m * row_bytes + 63) / 64;
     if (++ns == kTouchStreams) flush();
-    k += m;
-    off = 0;
-    ++b;
-  }
+  });
   flush();
   static thread_local volatile int sink;  // keeps the loads
   sink = _mm_cvtsi128_si32(acc);
