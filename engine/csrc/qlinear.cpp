@@ -31,8 +31,6 @@ namespace {
 
 // ---------------------------------------------------------------- shared helpers
 
-inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
-
 inline float bf16_to_float(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
@@ -205,11 +203,11 @@ void group_scalar(const Problem& p, int64_t g) {
         int32_t dot = dot_scalar(gb, p.qtype, r, xb);
         if (p.digits == 2) dot = 128 * dot + dot_scalar(gb, p.qtype, r, xb + kBlock);
         if (p.qtype == kQ8_0) {
-          const float d = half_to_float(reinterpret_cast<const uint16_t*>(gb + 512)[r]);
+          const float d = group_block_half(gb, 512, r);
           acc[r] += static_cast<float>(dot) * (d * xd);
         } else {
-          const float d = half_to_float(reinterpret_cast<const uint16_t*>(gb + 256)[r]);
-          const float m = p.qtype == kQ4_1 ? half_to_float(reinterpret_cast<const uint16_t*>(gb + 288)[r]) : -8.f * d;
+          const float d = group_block_half(gb, 256, r);
+          const float m = p.qtype == kQ4_1 ? group_block_half(gb, 288, r) : -8.f * d;
           acc[r] += static_cast<float>(dot) * (d * xd);
           acc[r] += m * xs;
         }

@@ -21,6 +21,8 @@
 // no per-block weight scale, a block's integer dot product needs one convert and one FMA (by the
 // activation block's scale), instead of four float operations, and no nibble unpacking.
 #pragma once
+#include <c10/util/Half.h>
+
 #include <cstdint>
 
 namespace qlinear {
@@ -39,6 +41,11 @@ inline int group_block_bytes(int qtype) {
     case kQ8_0: return 16 * 32 + 16 * 2;
     default: return 0;
   }
+}
+
+// Row r's fp16 field (a scale d or an offset m, 16 values per group-block) at byte `at` of group-block gb.
+inline float group_block_half(const uint8_t* gb, int at, int r) {
+  return static_cast<float>(c10::Half(reinterpret_cast<const uint16_t*>(gb + at)[r], c10::Half::from_bits()));
 }
 
 // Instruction-set paths, best last.  `isa` arguments take these values, or -1 for the best available.

@@ -11,7 +11,6 @@
 #include "qlinear.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -21,10 +20,6 @@
 namespace {
 
 using namespace qlinear;
-
-inline float half_at(const uint8_t* p, int i) {
-  return static_cast<float>(c10::Half(reinterpret_cast<const uint16_t*>(p)[i], c10::Half::from_bits()));
-}
 
 // Row r of packed group `wg` (nb group-blocks of `qtype`) dequantized into row[k], as
 // quant.py's dequantize_blocks computes it: Q8_0 q * d, Q4_0 (q - 8) * d, Q4_1 q * d + m.
@@ -38,19 +33,19 @@ inline __attribute__((always_inline)) void dequantize_row(const uint8_t* wg, int
     float* out = row + b * kBlock;
     if (qtype == kQ8_0) {
       for (int c = 0; c < 8; ++c) std::memcpy(q + 4 * c, gb + c * 64 + r * 4, 4);
-      const float d = half_at(gb + 512, r);
+      const float d = group_block_half(gb, 512, r);
       for (int i = 0; i < kBlock; ++i) out[i] = static_cast<float>(static_cast<int8_t>(q[i] ^ 0x80)) * d;
       continue;
     }
     for (int c = 0; c < 4; ++c) std::memcpy(q + 4 * c, gb + c * 64 + r * 4, 4);
-    const float d = half_at(gb + 256, r);
+    const float d = group_block_half(gb, 256, r);
     if (qtype == kQ4_0) {
       for (int i = 0; i < 16; ++i) {
         out[i] = (static_cast<float>(q[i] & 15) - 8.f) * d;
         out[16 + i] = (static_cast<float>(q[i] >> 4) - 8.f) * d;
       }
     } else {
-      const float m = half_at(gb + 288, r);
+      const float m = group_block_half(gb, 288, r);
       for (int i = 0; i < 16; ++i) {
         const float lo = static_cast<float>(q[i] & 15) * d, hi = static_cast<float>(q[i] >> 4) * d;
         out[i] = lo + m;
