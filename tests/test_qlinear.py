@@ -116,6 +116,20 @@ def test_matmul_random_blocks(isa, bits, qtype, m, dtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n", [56, 200])  # an even group count with a partial last group; an odd one
+def test_a_row_gets_the_same_bits_in_any_batch(isa, bits, qtype, n):
+    """A request's logits must not depend on what it is batched with: the kernel tiles one row
+    (groups in pairs) differently from several (rows in tiles of 4), in the same arithmetic."""
+    k = 320
+    raw = random_blocks(qtype, n, k, seed=n)
+    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(5))  # float32 out: every bit shows
+    alone = torch.cat([pw(x[i : i + 1]) for i in range(9)])
+    for m in (2, 3, 4, 5, 9):
+        assert torch.equal(pw(x[:m]), alone[:m]), m
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
 def test_bias(isa, bits, qtype, bias_dtype):
     n, k = 40, 64
