@@ -872,15 +872,16 @@ struct F32Ops {
 // operand (k + 128), which adds 128 * sum(q) to every score, taken back out before the two scales.
 // P . V: the probabilities, times the keys' V scales, rounded to u8 per row and tile of 32 keys.
 
-// Keys h * 16 .. h * 16 + 15 of a tile (those from n on as zeros), values [64c, 64c + 64) (zero past
-// D), sign bits flipped and transposed: t[j] holds the 16 keys' values 4j .. 4j + 3 as u8.
-static inline void keys_u8_transposed(const void* const* krows, int h, int n, int c, int D, __m512i t[16]) {
+// Keys h * 16 .. h * 16 + 15 of a tile, values [64c, 64c + 64) (zero past D), sign bits flipped and
+// transposed: t[j] holds the 16 keys' values 4j .. 4j + 3 as u8.  Every krows entry must point at a
+// readable row: past the tile's n keys the callers repeat its first row (scores of keys past n are
+// scaled by a zero key scale and masked), so the loads need no branch per key.
+static inline void keys_u8_transposed(const void* const* krows, int h, int c, int D, __m512i t[16]) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __mmask64 mk = mask64(D - c * 64);
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i)
-    t[i] = h * 16 + i < n ? _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, static_cast<const int8_t*>(krows[h * 16 + i]) + c * 64), flip)
-                          : _mm512_setzero_si512();
+    t[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, static_cast<const int8_t*>(krows[h * 16 + i]) + c * 64), flip);
   transpose16(t);
 }
 
@@ -890,6 +891,9 @@ static inline void qk_int8(const int8_t* q, int qs, const float* qsc, const int3
                            const float* ksc, int D, int n, float* S) {
   // Independent accumulator chains: one per row alone would wait on vpdpbusd's latency.
   constexpr int NS = RB >= 6 ? 1 : RB >= 3 ? 2 : RB == 2 ? 4 : 8;
+  const int32_t* qr[RB];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) qr[r] = reinterpret_cast<const int32_t*>(q + static_cast<int64_t>(r) * qs);
   for (int h = 0; h < KT / 16; ++h) {
     if (h * 16 >= n) {
       for (int r = 0; r < RB; ++r) _mm512_store_ps(S + r * KT + h * 16, _mm512_setzero_ps());
@@ -902,13 +906,12 @@ static inline void qk_int8(const int8_t* q, int qs, const float* qsc, const int3
       for (int i = 0; i < NS; ++i) acc[r][i] = _mm512_setzero_si512();
     for (int c = 0; c * 64 < D; ++c) {
       __m512i t[16];
-      keys_u8_transposed(krows, h, n, c, D, t);
-      const int32_t* q4 = reinterpret_cast<const int32_t*>(q) + c * 16;
+      keys_u8_transposed(krows, h, c, D, t);
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j)
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r)
-          acc[r][j % NS] = _mm512_dpbusd_epi32(acc[r][j % NS], t[j], _mm512_set1_epi32(q4[r * (qs / 4) + j]));
+          acc[r][j % NS] = _mm512_dpbusd_epi32(acc[r][j % NS], t[j], _mm512_set1_epi32(qr[r][c * 16 + j]));
     }
     const __m512 ks = _mm512_load_ps(ksc + h * 16);
 #pragma GCC unroll 8
@@ -943,7 +946,7 @@ static inline void pv_int8_rows(const int32_t* Pq, const float* psc, const void*
       __m512i v[4];
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i)
-        v[i] = 4 * g + i < n ? _mm512_maskz_loadu_epi8(mk, static_cast<const int8_t*>(vrows[4 * g + i]) + c * 64) : _mm512_setzero_si512();
+        v[i] = _mm512_maskz_loadu_epi8(mk, static_cast<const int8_t*>(vrows[4 * g + i]) + c * 64);
       const __m512i t0 = _mm512_unpacklo_epi8(v[0], v[1]), t1 = _mm512_unpackhi_epi8(v[0], v[1]);
       const __m512i t2 = _mm512_unpacklo_epi8(v[2], v[3]), t3 = _mm512_unpackhi_epi8(v[2], v[3]);
       const __m512i u[4] = {_mm512_unpacklo_epi16(t0, t2), _mm512_unpackhi_epi16(t0, t2), _mm512_unpacklo_epi16(t1, t3),
@@ -1032,7 +1035,11 @@ struct Int8DecodeOps {
         _mm512_mask_storeu_epi64(s.vrows + i + j + 8, static_cast<__mmask8>(mk >> 8), _mm512_add_epi64(k1p, to_v));
       }
     });
-    for (int i = n; i < KT; ++i) s.ksc[i] = s.vsc[i] = 0.f;
+    for (int i = n; i < KT; ++i) {  // keys past n: zero scales, and a readable row (see keys_u8_transposed)
+      s.ksc[i] = s.vsc[i] = 0.f;
+      s.krows[i] = s.krows[0];
+      s.vrows[i] = s.vrows[0];
+    }
   }
 
   __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
@@ -1119,6 +1126,7 @@ struct Int8PrefillOps {
   __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
     const uint8_t* rows[KT];
     gather_rows(p, bt_row, kvh, k0, n, rows);
+    for (int i = n; i < KT; ++i) rows[i] = rows[0];  // keys past n: a readable row, scaled by ksc = 0 and masked
     const int D = p.D, Dp = p.Dp;
     float* v = static_cast<float*>(s.v);
     for (int i = 0; i < KT; ++i) {
@@ -1137,7 +1145,7 @@ struct Int8PrefillOps {
       for (int c = 0; c * 64 < D; ++c) {
         __m512i t[16];
         if (h * 16 < n) {
-          keys_u8_transposed(krows, h, n, c, D, t);
+          keys_u8_transposed(krows, h, c, D, t);
         } else {
           for (int j = 0; j < 16; ++j) t[j] = _mm512_setzero_si512();
         }
