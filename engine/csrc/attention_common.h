@@ -27,11 +27,9 @@ namespace cpuserve_attn {
 
 constexpr int KT = 32;          // keys per tile
 constexpr int RMAX = 64;        // query rows per work unit (tokens x heads of one kv group)
-// Fewest keys one split of a long context gets.  A split costs a merge, a second barrier and a
-// unit's set-up; it pays once each part holds a few microseconds of tiles.  Batch-1 decode of the
-// default model (3 kv heads, 129-256 keys, 2 threads), engine alone, alternating step by step:
-// 256 instead of 128 (no split at these lengths) took 4-9% less attention time in six runs.
-constexpr int MIN_SPLIT = 256;
+// A context split across threads (flash decoding) costs a merge, a second barrier and a unit's
+// set-up, about this many key tiles of work (split_count in attention.cpp).
+constexpr int SPLIT_COST_TILES = 4;
 constexpr int TOUCH_TILES = 8;  // tiles whose cache lines are loaded in one pass (64 KiB of bf16 K/V)
 
 enum class KvKind : int { kSame = 0, kE4M3 = 1, kE5M2 = 2, kI8 = 3 };
