@@ -277,7 +277,7 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
 // count that minimises the busiest thread's tiles, a split costing SPLIT_COST_TILES more (all
 // units taken as alike).  Batch-1 decode of the default model on 2 threads (3 kv heads): no split
 // up to 288 keys, two parts from 320.  The rule it replaced (at least 4 units a thread, parts of at
-// least 128 keys) cut 129-256 keys in two; not splitting those took 4-10% less attention time
+// least 128 keys) cut 129-256 keys in two; not splitting those took 1-10% less attention time
 // (engine alone, 128-token prompts, alternating step by step: 0.504 / 0.502 / 0.442 / 0.444 against
 // 0.534 / 0.505 / 0.491 / 0.471 ms a step), and 400 or 1000 keys took the same time as before.  On
 // many cores long contexts still split into about as many parts as there are threads per unit.
