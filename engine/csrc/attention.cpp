@@ -451,8 +451,7 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
       if (want > 1) {
         split_len = (extent + want - 1) / want;
         split_len = (split_len + KT - 1) / KT * KT;
-        nsplit = (extent + split_len - 1) / split_len;
-        if (nsplit == 1) split_len = extent;
+        nsplit = (extent + split_len - 1) / split_len;  // >= 2: split_count keeps want <= tiles
       }
       for (int h = 0; h < Hkv; ++h) {
         if (nsplit == 1) {
