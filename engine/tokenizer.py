@@ -93,7 +93,12 @@ def _generate_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tu
     return [(a, b) for a, b, _ in merges]
 
 
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    """A GGUF metadata value by key (``gguf.GGUFReader``), or ``default`` when the file lacks it.
+
+    Here rather than in engine/loader/gguf.py, which reads the rest of the file's metadata with
+    it, because that module builds the tokenizer and so imports this one.
+    """
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
@@ -191,17 +196,17 @@ class Tokenizer:
         Raises ValueError for a tokenizer model this code does not know (the loader turns it into
         a ModelLoadError).
         """
-        kind = _gguf_field(reader, "tokenizer.ggml.model")
-        tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+        kind = gguf_field(reader, "tokenizer.ggml.model")
+        tokens = gguf_field(reader, "tokenizer.ggml.tokens")
         if kind is None or tokens is None:
             raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-        token_types = _gguf_field(reader, "tokenizer.ggml.token_type") or []
-        merges = _gguf_field(reader, "tokenizer.ggml.merges")
+        token_types = gguf_field(reader, "tokenizer.ggml.token_type") or []
+        merges = gguf_field(reader, "tokenizer.ggml.merges")
         if kind == "gpt2":
-            backend = _byte_level_backend(tokens, merges or [], _gguf_field(reader, "tokenizer.ggml.pre"))
+            backend = _byte_level_backend(tokens, merges or [], gguf_field(reader, "tokenizer.ggml.pre"))
             default_add_bos = False
         elif kind == "llama":
-            scores = _gguf_field(reader, "tokenizer.ggml.scores")
+            scores = gguf_field(reader, "tokenizer.ggml.scores")
             backend = _sentencepiece_backend(tokens, merges, scores)
             default_add_bos = True  # llama.cpp's default for SentencePiece vocabularies without the flag
         else:
@@ -230,7 +235,7 @@ class Tokenizer:
             backend.add_tokens(user_defined)
 
         def token_id(key: str) -> Optional[int]:
-            value = _gguf_field(reader, f"tokenizer.ggml.{key}")
+            value = gguf_field(reader, f"tokenizer.ggml.{key}")
             return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
         bos_id = token_id("bos_token_id")
@@ -246,13 +251,13 @@ class Tokenizer:
             backend.add_tokens([AddedToken(t, special=True) for t in dict.fromkeys(named)])
 
         eos_ids = [i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
-        add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token")
+        add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token")
         return cls(
             backend,
             bos_token_id=bos_id,
             eos_token_ids=eos_ids,
             add_bos=default_add_bos if add_bos is None else bool(add_bos),
-            chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+            chat_template=gguf_field(reader, "tokenizer.chat_template"),
             template_tokens={
                 "bos_token": tokens[bos_id] if bos_id is not None else None,
                 "eos_token": tokens[eos_id] if eos_id is not None else None,

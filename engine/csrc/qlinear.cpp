@@ -203,11 +203,11 @@ void group_scalar(const Problem& p, int64_t g) {
         int32_t dot = dot_scalar(gb, p.qtype, r, xb);
         if (p.digits == 2) dot = 128 * dot + dot_scalar(gb, p.qtype, r, xb + kBlock);
         if (p.qtype == kQ8_0) {
-          const float d = group_block_half(gb, 512, r);
+          const float d = group_block_half(gb, group_block_d_at(kQ8_0), r);
           acc[r] += static_cast<float>(dot) * (d * xd);
         } else {
-          const float d = group_block_half(gb, 256, r);
-          const float m = p.qtype == kQ4_1 ? group_block_half(gb, 288, r) : -8.f * d;
+          const float d = group_block_half(gb, group_block_d_at(p.qtype), r);
+          const float m = p.qtype == kQ4_1 ? group_block_half(gb, group_block_m_at(kQ4_1), r) : -8.f * d;
           acc[r] += static_cast<float>(dot) * (d * xd);
           acc[r] += m * xs;
         }
@@ -429,8 +429,8 @@ QL_AVX512 void group_tile_avx512(const Problem& p, int64_t g, int t0, int pass, 
     }
     for (int i = 0; i < NG; ++i) {
       const uint8_t* gi = gb + i * gstride;
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gi + (QT == kQ8_0 ? 512 : 256))));
-      const __m512 mv = QT == kQ4_1   ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gi + 288)))
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gi + group_block_d_at(QT))));
+      const __m512 mv = QT == kQ4_1   ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gi + group_block_m_at(QT))))
                         : QT == kQ4_0 ? _mm512_mul_ps(dv, _mm512_set1_ps(-8.f))
                                       : _mm512_setzero_ps();
       for (int t = 0; t < MT; ++t) {

@@ -34,11 +34,16 @@ constexpr int kRowsBlockBytes = kGroupRows * kBlock;  // a row-scaled int8 group
 // GGML type ids, the qtype argument of the ops.
 enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
 
+// Where a group-block's fp16 fields start: its 16 scales d right after the quants, then (Q4_1) its
+// 16 offsets m.
+constexpr int group_block_d_at(int qtype) { return qtype == kQ8_0 ? 16 * 32 : 16 * 16; }
+constexpr int group_block_m_at(int qtype) { return group_block_d_at(qtype) + 16 * 2; }
+
 inline int group_block_bytes(int qtype) {
   switch (qtype) {
-    case kQ4_0: return 16 * 16 + 16 * 2;
-    case kQ4_1: return 16 * 16 + 16 * 4;
-    case kQ8_0: return 16 * 32 + 16 * 2;
+    case kQ4_0: return group_block_d_at(kQ4_0) + 16 * 2;
+    case kQ4_1: return group_block_m_at(kQ4_1) + 16 * 2;
+    case kQ8_0: return group_block_d_at(kQ8_0) + 16 * 2;
     default: return 0;
   }
 }

@@ -70,15 +70,15 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
 #if !QL_VNNI
       for (int c = 0; c < 8; ++c) w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8(static_cast<char>(0x80)));
 #endif
-      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 512 + h * 16)));
+      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + group_block_d_at(kQ8_0) + h * 16)));
     } else {
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + c * 64 + h * 32));
         w[c] = _mm256_and_si256(v, low4);
         w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       }
-      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 256 + h * 16)));
-      mv = QT == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 288 + h * 16)))
+      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + group_block_d_at(QT) + h * 16)));
+      mv = QT == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + group_block_m_at(QT) + h * 16)))
                        : _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
     }
     for (int t = 0; t < MT; ++t) {

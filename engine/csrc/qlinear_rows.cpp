@@ -33,19 +33,19 @@ inline __attribute__((always_inline)) void dequantize_row(const uint8_t* wg, int
     float* out = row + b * kBlock;
     if (qtype == kQ8_0) {
       for (int c = 0; c < 8; ++c) std::memcpy(q + 4 * c, gb + c * 64 + r * 4, 4);
-      const float d = group_block_half(gb, 512, r);
+      const float d = group_block_half(gb, group_block_d_at(kQ8_0), r);
       for (int i = 0; i < kBlock; ++i) out[i] = static_cast<float>(static_cast<int8_t>(q[i] ^ 0x80)) * d;
       continue;
     }
     for (int c = 0; c < 4; ++c) std::memcpy(q + 4 * c, gb + c * 64 + r * 4, 4);
-    const float d = group_block_half(gb, 256, r);
+    const float d = group_block_half(gb, group_block_d_at(qtype), r);
     if (qtype == kQ4_0) {
       for (int i = 0; i < 16; ++i) {
         out[i] = (static_cast<float>(q[i] & 15) - 8.f) * d;
         out[16 + i] = (static_cast<float>(q[i] >> 4) - 8.f) * d;
       }
     } else {
-      const float m = group_block_half(gb, 288, r);
+      const float m = group_block_half(gb, group_block_m_at(kQ4_1), r);
       for (int i = 0; i < 16; ++i) {
         const float lo = static_cast<float>(q[i] & 15) * d, hi = static_cast<float>(q[i] >> 4) * d;
         out[i] = lo + m;

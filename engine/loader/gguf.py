@@ -28,7 +28,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.loader import GGUFTensor, LoadedModel, ModelLoadError, ProgressFn, expected_weight_names
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, gguf_field
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Types gguf.quants can dequantize and that we have tested; others (IQ*, TQ*, integer types) are refused.
@@ -75,11 +75,6 @@ def qk_unpermute_index(rows: int, n_head: int) -> torch.Tensor:
     """
     dim = rows // n_head // 2
     return torch.arange(rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,7 +162,7 @@ def _llama3_rope_scaling(freqs: np.ndarray, theta: float, head_dim: int, reader:
     """Recover the HF ``llama3`` rope_scaling dict from a ``rope_freqs`` tensor (the per-dimension
     divisors llama.cpp's converter writes), verifying the result reproduces the tensor exactly."""
     factor = float(freqs.max())
-    orig = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 8192) or 8192)
+    orig = int(gguf_field(reader, f"{arch}.rope.scaling.original_context_length", 8192) or 8192)
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     wavelen = 2 * math.pi / inv_freq
     for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
@@ -200,17 +195,17 @@ def _rope_scaling(reader: Any, arch: str, tensors: dict[str, Any], theta: float,
         return _llama3_rope_scaling(freqs, theta, head_dim, reader, arch)
     # Only what the model implements (engine/models/llama.py: default, linear, llama3); refusing the
     # rest here gives a clear load error instead of silently wrong positions.
-    kind = _field(reader, f"{arch}.rope.scaling.type")
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    factor = gguf_field(reader, f"{arch}.rope.scaling.factor")
     if kind == "linear" and factor:
         return {"rope_type": "linear", "factor": float(factor)}
     raise ModelLoadError(f"unsupported RoPE scaling type {kind!r} in GGUF metadata")
 
 
 def _int_field(reader: Any, key: str, default: Optional[int] = None) -> int:
-    value = _field(reader, key, default)
+    value = gguf_field(reader, key, default)
     if isinstance(value, list):  # per-layer arrays: only uniform ones are supported
         if len(set(value)) != 1:
             raise ModelLoadError(f"per-layer values for {key} are not supported")
@@ -222,7 +217,7 @@ def _int_field(reader: Any, key: str, default: Optional[int] = None) -> int:
 
 def config_from_gguf(reader: Any, tensors: Optional[dict[str, Any]] = None) -> ModelConfig:
     """ModelConfig from a GGUF's metadata (and tensor list: tied embeddings, biases, vocab rows)."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported model architecture {arch!r} in GGUF file (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
@@ -236,14 +231,14 @@ def config_from_gguf(reader: Any, tensors: Optional[dict[str, Any]] = None) -> M
     heads = _int_field(reader, f"{arch}.attention.head_count")
     kv_heads = _int_field(reader, f"{arch}.attention.head_count_kv", heads)
     head_dim = _int_field(reader, f"{arch}.attention.key_length", hidden // heads)
-    rope_dims = _field(reader, f"{arch}.rope.dimension_count")
+    rope_dims = gguf_field(reader, f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise ModelLoadError(f"partial rotary embeddings (rope dims {rope_dims} != head_dim {head_dim}) are not supported")
-    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    theta = float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0))
 
     embd_rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are (in, out)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else embd_rows)
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else embd_rows)
     if int(vocab) != embd_rows:  # the embedding is what the logits are computed over
         vocab = embd_rows
 
@@ -257,7 +252,7 @@ def config_from_gguf(reader: Any, tensors: Optional[dict[str, Any]] = None) -> M
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rope_theta=theta,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen2" else 1e-5)),
+        rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen2" else 1e-5)),
         max_position_embeddings=_int_field(reader, f"{arch}.context_length", 4096),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
