@@ -130,6 +130,21 @@ def test_a_row_gets_the_same_bits_in_any_batch(isa, bits, qtype, n):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_large_batches_quantized_by_every_thread_match_small_ones(isa, qtype):
+    """From 16K activation elements the product's threads quantize their share of the rows inside
+    the parallel region; small batches are quantized by the calling thread.  Same bits either way,
+    on the block kernel and on the row-scaled int8 copy."""
+    n, k, m = 200, 320, 64  # 64 x 320 = 20K elements; 8-row slices are 2.5K
+    raw = random_blocks(qtype, n, k, seed=9)
+    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, 8)
+    rw = Q.quantize_rows_int8(gguf_dequantize(raw, qtype, (n, k)))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    for layer in (pw, rw):
+        whole = layer(x)
+        assert torch.equal(whole, torch.cat([layer(x[i : i + 8]) for i in range(0, m, 8)]))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
 def test_bias(isa, bits, qtype, bias_dtype):
     n, k = 40, 64
