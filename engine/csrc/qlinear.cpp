@@ -355,10 +355,11 @@ QL_AVX512 inline void store16_avx512(const Problem& p, int t, int64_t col, int v
   }
 }
 
-// Software prefetch this far ahead of the weight stream.  The hardware prefetchers keep up at
-// batch 1, but once a few activation rows make the loop compute-heavier they fall behind: 8 KiB
-// ahead halved the LM head's time at 4 rows and cut ~20-40% at 16 (benchmarks/linear_kernels.py).
-// Prefetches past the end of the buffer are harmless (they never fault).
+// The AVX2 kernels (one group at a time, so one sequential weight stream) prefetch this far ahead
+// of it.  The hardware prefetchers keep up at batch 1, but once a few activation rows make the loop
+// compute-heavier they fall behind: 8 KiB ahead halved the LM head's time at 4 rows and cut ~20-40%
+// at 16 (benchmarks/linear_kernels.py).  Prefetches past the end of the buffer are harmless (they
+// never fault).
 #ifndef QL_PREFETCH
 #define QL_PREFETCH 8192
 #endif
@@ -388,13 +389,18 @@ QL_AVX512 void group_tile_avx512(const Problem& p, int64_t g, int t0, int pass, 
   for (int i = 0; i < NG; ++i)
     for (int t = 0; t < MT; ++t) acc[i][t] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
+  // The same block of the NG groups the next tile reads, into L2, spread over the passes (as the
+  // row-int8 kernel below does).  A fixed distance ahead of each of the NG interleaved streams
+  // missed the start of every other pair's second group: batch 1 on a 2-core Zen 4 host, 8 KiB
+  // ahead into L1 -> this (benchmarks/linear_kernels.py --m 1, alternating builds): the LM head
+  // 1.30-1.32 -> 0.80-0.88 ms, gate_up 54-60 -> 37 us, a token's linears 4.6-5.7 -> 3.2-3.4 ms.
   PrefetchTurn turn(pass, passes);
   for (int b = 0; b < nb; ++b) {
     const uint8_t* gb = wg + static_cast<int64_t>(b) * p.gbytes;
-    if (turn.next() && kPrefetchBytes > 0)
+    if (turn.next())
       for (int i = 0; i < NG; ++i)
         for (int off = 0; off < p.gbytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(gb + i * gstride + kPrefetchBytes + off), QL_PREFETCH_HINT);
+          _mm_prefetch(reinterpret_cast<const char*>(gb + (NG + i) * gstride + off), _MM_HINT_T1);
     __m512i s[NG][MT][DIGITS][kChains];
     for (int i = 0; i < NG; ++i)
       for (int t = 0; t < MT; ++t)
