@@ -170,7 +170,7 @@ namespace {
 
 enum class Isa { kVec256, kVec512, kAmx, kAmxEmu };
 
-using UnitFn = void (*)(const AttnParams&, const WorkUnit&, float*);
+using UnitFn = void (*)(const AttnParams&, const WorkUnit&, float*, const WorkUnit*, bool);
 
 bool cpu_has_vec256() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -478,17 +478,25 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
   if (nt == 1 || nu == 1) {
     for (int64_t u = 0; u < nu; ++u) {
       const WorkUnit& w = units[u];
-      unit_fn(isa, p, (w.t1 - w.t0) * G)(p, w, part);
+      unit_fn(isa, p, (w.t1 - w.t0) * G)(p, w, part, u + 1 < nu ? &units[u + 1] : nullptr, u > 0);
     }
     for (int64_t m = 0; m < nm; ++m) merge_splits(p, merges[m], part);
   } else {
+    // Dynamic scheduling, one unit at a time, with each thread claiming its next unit before it
+    // runs the current one, so that it can prefetch that unit's cache lines meanwhile.
+    std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(nt)
     {
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t u = 0; u < nu; ++u) {
+      int64_t u = claimed.fetch_add(1, std::memory_order_relaxed);
+      bool prefetched = false;
+      while (u < nu) {
+        const int64_t next = claimed.fetch_add(1, std::memory_order_relaxed);
         const WorkUnit& w = units[u];
-        unit_fn(isa, p, (w.t1 - w.t0) * G)(p, w, part);
+        unit_fn(isa, p, (w.t1 - w.t0) * G)(p, w, part, next < nu ? &units[next] : nullptr, prefetched);
+        u = next;
+        prefetched = true;
       }
+#pragma omp barrier
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < nm; ++m) merge_splits(p, merges[m], part);
     }

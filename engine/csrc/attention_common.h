@@ -212,6 +212,56 @@ inline void touch_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int 
   sink = _mm_cvtsi128_si32(acc);
 }
 
+// The cache lines of the next unit a thread will run, prefetched into L2 a share per key tile of
+// the unit it runs now, so that the next unit's reads overlap this one's arithmetic instead of
+// following it (the touch pass above then runs only for a thread's first unit).  Decode at 32
+// streams on a 2-core Zen 4 host, alternating step by step in one process: attention 6.3-8.7 ->
+// 4.8-7.2 ms a step, steps 0.94-0.95x; 8 streams 0.95x, batch 1 0.99x, 1024-token prompts unchanged.
+class UnitLinePrefetch {
+ public:
+  // Plan `next`'s lines (none if null) over `tiles` calls of step().
+  void plan(const AttnParams& p, const WorkUnit* next, int tiles) {
+    k_ = k1_ = 0;
+    if (next == nullptr || tiles <= 0) return;
+    row_bytes_ = p.kv_so * p.kv_elt;
+    head_ = p.kv + (static_cast<int64_t>(next->kvh) * p.kv_sh) * p.kv_elt;
+    bt_row_ = p.bt + next->req * p.bt_s;
+    kv_sb_ = p.kv_sb * p.kv_elt;
+    B_ = p.B;
+    k_ = next->kv_begin;
+    k1_ = next->kv_end;
+    int64_t total = 0;
+    for_each_block_run(p, bt_row_, next->kvh, k_, k1_, [&](const uint8_t*, int, int m) { total += (m * row_bytes_ + 63) / 64; });
+    per_step_ = (total + tiles - 1) / tiles;
+    open_run();
+  }
+  // Prefetch the next share of lines.
+  void step() {
+    for (int64_t i = 0; i < per_step_ && k_ < k1_; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(run_ + 64 * line_), _MM_HINT_T1);
+      if (++line_ == run_lines_) {
+        k_ += run_rows_;
+        if (k_ < k1_) open_run();
+      }
+    }
+  }
+
+ private:
+  // The rows from k_ to the end of its block (or k1_) sit back to back: one run of lines.
+  void open_run() {
+    const int b = k_ / B_, off = k_ - b * B_;
+    run_rows_ = std::min(k1_ - k_, B_ - off);
+    run_ = head_ + bt_row_[b] * kv_sb_ + off * row_bytes_;
+    run_lines_ = (run_rows_ * row_bytes_ + 63) / 64;
+    line_ = 0;
+  }
+  const uint8_t* head_ = nullptr;
+  const uint8_t* run_ = nullptr;
+  const int32_t* bt_row_ = nullptr;
+  int64_t row_bytes_ = 0, kv_sb_ = 0, per_step_ = 0, run_lines_ = 0, line_ = 0;
+  int k_ = 0, k1_ = 0, B_ = 1, run_rows_ = 0;
+};
+
 // f(std::integral_constant<int, R>{}) for R = 1..8 (larger R as 8): the direct decode paths
 // take their row count as a template argument, so their accumulators live in registers.
 template <class F>
@@ -237,8 +287,10 @@ inline void with_rows_upto8(int R, F&& f) {
 //   pv(p, s, R, n)                      s.O = s.O * alpha + P V
 //   store(p, s, tok, ntok, kvh, R)      normalised output rows
 //   end()                               once per unit
+// `next`: the unit this thread runs after this one (prefetched during it; null if none);
+// `prefetched`: this unit's lines were prefetched by the one before it, so it skips the touch pass.
 template <class Ops>
-void run_unit(const AttnParams& p, const WorkUnit& u, float* partials) {
+void run_unit(const AttnParams& p, const WorkUnit& u, float* partials, const WorkUnit* next, bool prefetched) {
   Scratch& s = thread_scratch(p);
   const int G = p.G, Dp = p.Dp;
   const int ntok = u.t1 - u.t0;
@@ -257,10 +309,13 @@ void run_unit(const AttnParams& p, const WorkUnit& u, float* partials) {
   const int min_pos = ctx_off + u.t0;
   Ops::begin(p, s, R);
   Ops::load_q(p, s, tok, ntok, u.kvh, R);
+  UnitLinePrefetch ahead;
+  ahead.plan(p, next, (u.kv_end - u.kv_begin + KT - 1) / KT);
   for (int k0 = u.kv_begin; k0 < u.kv_end; k0 += KT) {
     const int n = std::min(KT, u.kv_end - k0);
-    if ((k0 - u.kv_begin) % (TOUCH_TILES * KT) == 0)
+    if (!prefetched && (k0 - u.kv_begin) % (TOUCH_TILES * KT) == 0)
       touch_rows(p, bt_row, u.kvh, k0, std::min(u.kv_end, k0 + TOUCH_TILES * KT));
+    ahead.step();
     Ops::prep_kv(p, s, bt_row, u.kvh, k0, n);
     Ops::qk(p, s, R, n);
     const bool masked = n < KT || k0 + KT - 1 > min_pos;
