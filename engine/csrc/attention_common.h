@@ -233,7 +233,7 @@ class UnitLinePrefetch {
     int64_t total = 0;
     for_each_block_run(p, bt_row_, next->kvh, k_, k1_, [&](const uint8_t*, int, int m) { total += (m * row_bytes_ + 63) / 64; });
     per_step_ = (total + tiles - 1) / tiles;
-    open_run();
+    if (k_ < k1_) open_run();
   }
   // Prefetch the next share of lines.
   void step() {
