@@ -221,17 +221,15 @@ class UnitLinePrefetch {
  public:
   // Plan `next`'s lines (none if null) over `tiles` calls of step().
   void plan(const AttnParams& p, const WorkUnit* next, int tiles) {
+    p_ = &p;
     k_ = k1_ = 0;
     if (next == nullptr || tiles <= 0) return;
-    row_bytes_ = p.kv_so * p.kv_elt;
     head_ = p.kv + (static_cast<int64_t>(next->kvh) * p.kv_sh) * p.kv_elt;
     bt_row_ = p.bt + next->req * p.bt_s;
-    kv_sb_ = p.kv_sb * p.kv_elt;
-    B_ = p.B;
     k_ = next->kv_begin;
     k1_ = next->kv_end;
     int64_t total = 0;
-    for_each_block_run(p, bt_row_, next->kvh, k_, k1_, [&](const uint8_t*, int, int m) { total += (m * row_bytes_ + 63) / 64; });
+    for_each_block_run(p, bt_row_, next->kvh, k_, k1_, [&](const uint8_t*, int, int m) { total += lines(m); });
     per_step_ = (total + tiles - 1) / tiles;
     if (k_ < k1_) open_run();
   }
@@ -247,19 +245,22 @@ class UnitLinePrefetch {
   }
 
  private:
+  // Cache lines spanned by `rows` consecutive rows from a block's row.
+  int64_t lines(int rows) const { return (rows * p_->kv_so * p_->kv_elt + 63) / 64; }
   // The rows from k_ to the end of its block (or k1_) sit back to back: one run of lines.
   void open_run() {
-    const int b = k_ / B_, off = k_ - b * B_;
-    run_rows_ = std::min(k1_ - k_, B_ - off);
-    run_ = head_ + bt_row_[b] * kv_sb_ + off * row_bytes_;
-    run_lines_ = (run_rows_ * row_bytes_ + 63) / 64;
+    const int b = k_ / p_->B, off = k_ - b * p_->B;
+    run_rows_ = std::min(k1_ - k_, p_->B - off);
+    run_ = head_ + (bt_row_[b] * p_->kv_sb + off * p_->kv_so) * p_->kv_elt;
+    run_lines_ = lines(run_rows_);
     line_ = 0;
   }
+  const AttnParams* p_ = nullptr;
   const uint8_t* head_ = nullptr;
   const uint8_t* run_ = nullptr;
   const int32_t* bt_row_ = nullptr;
-  int64_t row_bytes_ = 0, kv_sb_ = 0, per_step_ = 0, run_lines_ = 0, line_ = 0;
-  int k_ = 0, k1_ = 0, B_ = 1, run_rows_ = 0;
+  int64_t per_step_ = 0, run_lines_ = 0, line_ = 0;
+  int k_ = 0, k1_ = 0, run_rows_ = 0;
 };
 
 // f(std::integral_constant<int, R>{}) for R = 1..8 (larger R as 8): the direct decode paths
