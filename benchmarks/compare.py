@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Side-by-side benchmark: this service vs vLLM-CPU and llama.cpp's llama-server (issue "beat vLLM-CPU and llama.cpp").
 
-For each engine, one after the other (never two at once: they share the machine's cores), it
+For each engine, one after the other (never two under load at once: they share the machine's cores), it
 1. launches the server, waits for ``GET /health`` == 200 and records the start-up time (launch to healthy);
 2. records idle resident memory (sum of VmRSS over the server's process tree / session, from /proc);
 3. runs the workloads with ``bench_serve`` (same prompts for every engine) while sampling peak RSS;
@@ -15,6 +15,12 @@ Engines:
          Hugging Face directory converted once from the GGUF and cached under VLLM_DIR/models/ (needs
          ``accelerate`` in the Python that converts it, see ``--convert-python``).
 
+``--repeats N`` runs every workload N times per engine, each run on prompts of its own (no run is served
+from another's prefix cache), and the table shows the medians, with the runs listed under it.
+``--interleave`` starts every server first and lets the engines take turns run by run, the others frozen
+(SIGSTOP) meanwhile: on a shared host whose speed drifts by 10-20% from minute to minute, each engine's runs
+then meet the same spells of noise, which back-to-back blocks of runs do not.
+
 Default workloads (the issue's): 128 in / 128 out at concurrency 1, 16 and 32 (num prompts = max(8, 4*c)),
 and 1024 in / 32 out at concurrency 4 (the TTFT p50 row is the one that matters there).
 
@@ -24,6 +30,7 @@ Examples::
     .venv/bin/python benchmarks/compare.py --peers vllm,llama --json-out /tmp/compare.json
     .venv/bin/python benchmarks/compare.py --no-ours --peers llama --workloads c1,c16
     .venv/bin/python benchmarks/compare.py --ours-args "--kv-cache-gb 2" --workloads long
+    .venv/bin/python benchmarks/compare.py --peers vllm --workloads c32 --repeats 3 --interleave
 
 Prints one markdown table (rows = workload/metric, columns = engines, plus "ours vs <peer>" ratios oriented so
 that > 1 always means ours is better) and writes everything, including full bench metrics, with ``--json-out``.
@@ -37,6 +44,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -79,18 +87,20 @@ DEFAULT_WORKLOADS = {
 }
 
 
-def workload_seed(seed: int, index: int) -> int:
-    """The prompt seed of the ``index``-th workload of a run.  Every workload gets prompts of its
-    own: with one seed for all, the first prompts of each workload repeated the previous one's,
-    and every engine here caches prefixes, so c=32 ran half its prompts out of c=16's cache (our
-    c=32 read 1,380 tok/s after c=16 and 1,220 alone)."""
-    return seed + 7919 * index
+def workload_seed(seed: int, index: int, repeat: int = 0) -> int:
+    """The prompt seed of the ``index``-th workload of a run (its ``repeat``-th run).  Every workload,
+    and every repeat of one, gets prompts of its own: with one seed for all, the first prompts of each
+    workload repeated the previous one's, and every engine here caches prefixes, so c=32 ran half its
+    prompts out of c=16's cache (our c=32 read 1,380 tok/s after c=16 and 1,220 alone)."""
+    return seed + 7919 * index + 104729 * repeat
 
 
-def workload_prompts(tokenizer, workloads: list[Workload], num_prompts: int, seed: int) -> dict[str, list[str]]:  # noqa: ANN001
-    """Each workload's prompts (``num_prompts``, or ``max(8, 4 x concurrency)`` when 0)."""
+def workload_prompts(tokenizer, workloads: list[Workload], num_prompts: int, seed: int,  # noqa: ANN001
+                     repeats: int = 1) -> dict[str, list[list[str]]]:
+    """Each workload's prompt sets, one per repeat (``num_prompts`` each, or ``max(8, 4 x concurrency)`` when 0)."""
     return {
-        w.name: bs.build_prompts(tokenizer, num_prompts or max(8, 4 * w.concurrency), w.input_len, workload_seed(seed, i))
+        w.name: [bs.build_prompts(tokenizer, num_prompts or max(8, 4 * w.concurrency), w.input_len,
+                                  workload_seed(seed, i, r)) for r in range(repeats)]
         for i, w in enumerate(workloads)
     }
 
@@ -439,6 +449,15 @@ def stop_server(srv: Server, grace: float = 30.0) -> None:
             pass
 
 
+def signal_tree(srv: Server, sig: int) -> None:
+    """``sig`` to every process of the server's tree (--interleave freezes idle servers with SIGSTOP)."""
+    for p in srv.tree():
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
 STARTERS = {"ours": start_ours, "llama": start_llama, "vllm": start_vllm}
 STARTUP_TIMEOUT = {"ours": 300.0, "llama": 120.0, "vllm": 600.0}
 
@@ -464,72 +483,169 @@ def wait_available(engine: str, a: argparse.Namespace) -> Optional[str]:
     return why
 
 
-def run_engine(engine: str, a: argparse.Namespace, workloads: list[Workload], prompts: dict[str, list[str]],
-               tokenizer: bs.Tokenizer) -> dict:
-    res: dict[str, Any] = {"engine": engine, "workloads": {}}
-    why = wait_available(engine, a)
-    if why:
-        res["error"] = why
-        print(f"[{engine}] skipped: {why}", file=sys.stderr)
-        return res
-    port = a.port or free_port()
-    if http_status(f"http://127.0.0.1:{port}/health", 1.0):
-        res["error"] = f"port {port} is already serving something"
-        return res
-    srv: Optional[Server] = None
-    sampler: Optional[RssSampler] = None
-    try:
-        print(f"[{engine}] starting on port {port} ...", file=sys.stderr)
-        srv = STARTERS[engine](a, port)  # the vLLM starter converts the model first: not start-up time
-        res["cmd"] = srv.cmd
-        res["log"] = srv.log_path
-        wait_healthy(srv, a.startup_timeout or STARTUP_TIMEOUT[engine])
-        res["startup_s"] = time.monotonic() - srv.launched
-        time.sleep(a.idle_wait)
-        pids = srv.tree()
-        rss, pss = rss_bytes(pids)
-        res["idle_rss_mb"] = rss / 2**20
-        res["idle_pss_mb"] = pss / 2**20
-        res["idle_processes"] = len(pids)
-        print(f"[{engine}] healthy after {res['startup_s']:.2f} s; idle RSS {res['idle_rss_mb']:.0f} MB "
-              f"over {len(pids)} process(es)", file=sys.stderr)
-        sampler = RssSampler(srv.tree)
-        sampler.start()
-        for i, w in enumerate(workloads):
-            cfg = bs.BenchConfig(base_url=srv.base_url, model=SERVED_NAME, num_prompts=len(prompts[w.name]),
-                                 input_len=w.input_len, output_len=w.output_len, max_concurrency=w.concurrency,
-                                 seed=workload_seed(a.seed, i),
-                                 warmup=a.warmup if a.warmup >= 0 else min(w.concurrency, 4),
-                                 timeout=a.timeout, label=f"{engine} {w.title}",
-                                 extra_body=json.loads(a.extra_body) if a.extra_body else {})
+class EngineRun:
+    """One engine's server through a comparison: start it, run workloads against it, stop it.
+
+    ``res`` collects what the table and the JSON report: start-up, idle and peak RSS, and for each
+    workload the metrics of every run (``repeats``) with their medians (see ``summarize``).
+    """
+
+    def __init__(self, engine: str, a: argparse.Namespace, index: int = 0) -> None:
+        self.engine, self.a = engine, a
+        self.port = a.port + index if a.port else 0  # --port P: P, P + 1, ... (with --interleave all are up at once)
+        self.res: dict[str, Any] = {"engine": engine, "workloads": {}}
+        self.srv: Optional[Server] = None
+        self.sampler: Optional[RssSampler] = None
+        self.frozen = False
+
+    def freeze(self, frozen: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the whole server while others are measured: an idle
+        server is not quiet (timers and pollers wake up), and on a 2-core host every wake-up
+        preempts a thread of the engine under test."""
+        if self.srv is not None and frozen != self.frozen:
+            signal_tree(self.srv, signal.SIGSTOP if frozen else signal.SIGCONT)
+            self.frozen = frozen
+
+    @property
+    def ok(self) -> bool:
+        return self.srv is not None and "error" not in self.res
+
+    def _fail(self, e: BaseException) -> None:
+        self.res["error"] = f"{type(e).__name__}: {e}"
+        print(f"[{self.engine}] error: {self.res['error']}", file=sys.stderr)
+
+    def start(self) -> bool:
+        """Launch, wait for /health, record start-up time and idle RSS; False (and ``res["error"]``) on failure."""
+        engine, a, res = self.engine, self.a, self.res
+        why = wait_available(engine, a)
+        if why:
+            res["error"] = why
+            print(f"[{engine}] skipped: {why}", file=sys.stderr)
+            return False
+        port = self.port or free_port()
+        if http_status(f"http://127.0.0.1:{port}/health", 1.0):
+            res["error"] = f"port {port} is already serving something"
+            return False
+        try:
+            print(f"[{engine}] starting on port {port} ...", file=sys.stderr)
+            self.srv = srv = STARTERS[engine](a, port)  # the vLLM starter converts the model first: not start-up time
+            res["cmd"] = srv.cmd
+            res["log"] = srv.log_path
+            wait_healthy(srv, a.startup_timeout or STARTUP_TIMEOUT[engine])
+            res["startup_s"] = time.monotonic() - srv.launched
+            time.sleep(a.idle_wait)
+            pids = srv.tree()
+            rss, pss = rss_bytes(pids)
+            res["idle_rss_mb"] = rss / 2**20
+            res["idle_pss_mb"] = pss / 2**20
+            res["idle_processes"] = len(pids)
+            print(f"[{engine}] healthy after {res['startup_s']:.2f} s; idle RSS {res['idle_rss_mb']:.0f} MB "
+                  f"over {len(pids)} process(es)", file=sys.stderr)
+            self.sampler = RssSampler(srv.tree)
+            self.sampler.start()
+            return True
+        except Exception as e:  # noqa: BLE001 - report and go on to the next engine
+            self._fail(e)
+            self.stop()
+            return False
+
+    def measure(self, index: int, w: Workload, repeat: int, prompts: list[str], tokenizer: bs.Tokenizer) -> None:
+        """One run of workload ``w`` (the ``index``-th of the comparison) on its ``repeat``-th prompt set."""
+        if not self.ok:
+            return
+        a, srv = self.a, self.srv
+        cfg = bs.BenchConfig(base_url=srv.base_url, model=SERVED_NAME, num_prompts=len(prompts),
+                             input_len=w.input_len, output_len=w.output_len, max_concurrency=w.concurrency,
+                             seed=workload_seed(a.seed, index, repeat),
+                             warmup=a.warmup if a.warmup >= 0 else min(w.concurrency, 4),
+                             timeout=a.timeout, label=f"{self.engine} {w.title}",
+                             extra_body=json.loads(a.extra_body) if a.extra_body else {})
+        try:
             if not srv.alive():
-                raise RuntimeError(f"{engine} died; log: {srv.log_path}\n{tail(srv.log_path)}")
+                raise RuntimeError(f"{self.engine} died; log: {srv.log_path}\n{tail(srv.log_path)}")
             noise = NoiseMeter(srv)
-            m = bs.run_benchmark_sync(cfg, tokenizer=tokenizer, prompts=prompts[w.name])
+            m = bs.run_benchmark_sync(cfg, tokenizer=tokenizer, prompts=prompts)
             m["other_cpu_cores"] = noise.cores()
-            res["workloads"][w.name] = m
-            if a.verbose:
-                print(bs.format_report(m), file=sys.stderr)
-            print(f"[{engine}] {w.title}: {m['completed']}/{m['num_prompts']} ok, "
-                  f"{m['output_throughput']:.1f} tok/s, TPOT p50 {m['median_tpot_ms']:.1f} ms, "
-                  f"TTFT p50 {m['median_ttft_ms']:.0f} ms, other processes {m['other_cpu_cores']:.2f} cores"
-                  + (f", errors: {m['errors'][:2]}" if m["failed"] else ""),
-                  file=sys.stderr)
-        sampler.stop()
-        res["peak_rss_mb"] = sampler.peak / 2**20
-    except Exception as e:  # noqa: BLE001 - report and go on to the next engine
-        res["error"] = f"{type(e).__name__}: {e}"
-        print(f"[{engine}] error: {res['error']}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next engine
+            self._fail(e)
+            return
+        runs = self.res["workloads"].setdefault(w.name, {"repeats": []})["repeats"]
+        runs.append(m)
+        self.res["workloads"][w.name] = summarize(runs)
+        if a.verbose:
+            print(bs.format_report(m), file=sys.stderr)
+        print(f"[{self.engine}] {w.title}{f' (run {repeat + 1})' if a.repeats > 1 else ''}: "
+              f"{m['completed']}/{m['num_prompts']} ok, "
+              f"{m['output_throughput']:.1f} tok/s, TPOT p50 {m['median_tpot_ms']:.1f} ms, "
+              f"TTFT p50 {m['median_ttft_ms']:.0f} ms, other processes {m['other_cpu_cores']:.2f} cores"
+              + (f", errors: {m['errors'][:2]}" if m["failed"] else ""),
+              file=sys.stderr)
+
+    def stop(self) -> None:
+        self.freeze(False)  # a stopped process would not act on SIGTERM
+        if self.sampler is not None:
+            self.sampler.stop()
+            self.res["peak_rss_mb"] = self.sampler.peak / 2**20
+            self.sampler = None
+        if self.srv is not None:
+            stop_server(self.srv)
+            self.srv = None
+
+
+def summarize(runs: list[dict]) -> dict:
+    """A workload's metrics over its runs: each table metric's median over the runs that completed
+    requests (a single run stands for itself), counts summed, every run kept under ``repeats``."""
+    done = [m for m in runs if m["completed"]]
+    out: dict[str, Any] = dict(done[len(done) // 2] if done else runs[-1])
+    for key in [k for k, _, _ in METRICS] + ["other_cpu_cores"]:
+        vals = sorted(m[key] for m in done if m.get(key) is not None)
+        if vals:
+            out[key] = statistics.median(vals)
+    for key in ("completed", "failed", "num_prompts", "total_output_tokens"):
+        out[key] = sum(m.get(key, 0) for m in runs)
+    out["repeats"] = runs
+    return out
+
+
+def run_all(engines: list[str], a: argparse.Namespace, workloads: list[Workload],
+            prompts: dict[str, list[list[str]]], tokenizer: bs.Tokenizer) -> dict[str, dict]:
+    """Every engine through every workload, ``a.repeats`` times each.  By default one engine at a
+    time (started, measured, stopped); with ``a.interleave`` every server is started first and the
+    engines take turns, run by run, so that each engine's runs meet the same spells of host noise
+    (only one is ever running: the others wait frozen, see ``EngineRun.freeze``)."""
+    runs = [EngineRun(e, a, i) for i, e in enumerate(engines)]
+
+    def measure_all(group: list[EngineRun]) -> None:
+        for i, w in enumerate(workloads):
+            for rep in range(a.repeats):
+                for r in group:
+                    r.freeze(False)
+                    r.measure(i, w, rep, prompts[w.name][rep], tokenizer)
+                    r.freeze(len(group) > 1)
+
+    try:
+        if a.interleave:
+            started = []
+            for r in runs:  # each starts (and is timed) while the ones before it are frozen
+                if r.start():
+                    r.freeze(True)
+                    started.append(r)
+            measure_all(started)
+        else:
+            for r in runs:
+                if r.start():
+                    try:
+                        measure_all([r])
+                    finally:
+                        r.stop()
     finally:
-        if sampler is not None and sampler.is_alive():
-            sampler.stop()
-        if srv is not None:
-            stop_server(srv)
-    return res
+        for r in runs:
+            r.stop()
+    return {r.engine: r.res for r in runs}
 
 
 # --------------------------------------------------------------------------------------------------
-# Table
+# Report
 # --------------------------------------------------------------------------------------------------
 
 NOISY_CORES = 0.15
@@ -554,6 +670,24 @@ def _ratio(ours: Optional[float], peer: Optional[float], higher_better: bool, pe
     if higher_better:
         return f"{ours / peer:.2f} (ours/{peer_short})"
     return f"{peer / ours:.2f} ({peer_short}/ours)"
+
+
+def run_by_run(results: dict[str, dict], workloads: list[Workload], peers: list[str]) -> list[str]:
+    """Under the table, for workloads run more than once: each engine's output tok/s run by run
+    and ours/peer for the runs of the same index (taken in turn with ``--interleave``)."""
+    lines = []
+    for w in workloads:
+        per = {e: [m["output_throughput"] for m in r["workloads"].get(w.name, {}).get("repeats", []) if m["completed"]]
+               for e, r in results.items()}
+        if max((len(v) for v in per.values()), default=0) < 2:
+            continue
+        text = "; ".join(f"{ENGINE_TITLES[e]} {', '.join(_fmt(v) for v in vals)}" for e, vals in per.items() if vals)
+        for p in peers:
+            pairs = [f"{o / v:.2f}" for o, v in zip(per.get("ours", []), per[p]) if v > 0]
+            if pairs:
+                text += f"; ours/{SHORT[p]} {', '.join(pairs)}"
+        lines.append(f"- {w.title}, output tok/s run by run (the table has the medians): {text}")
+    return ["", *lines] if lines else []
 
 
 def markdown_table(results: dict[str, dict], workloads: list[Workload]) -> str:
@@ -587,6 +721,7 @@ def markdown_table(results: dict[str, dict], workloads: list[Workload]) -> str:
     lines.append("")
     lines.append("Every ratio is oriented so that > 1 means ours is better (throughput: ours/peer; latency, "
                  "start-up and memory: peer/ours).")
+    lines += run_by_run(results, workloads, peers)
     noisy = [f"{ENGINE_TITLES[e]} {w.title}: {m['other_cpu_cores']:.2f}"
              for e, r in results.items() for w in workloads
              if (m := r["workloads"].get(w.name)) and m.get("other_cpu_cores", 0) > NOISY_CORES]
@@ -612,13 +747,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workloads", default="c1,c16,c32,long",
                    help=f"subset of {','.join(DEFAULT_WORKLOADS)}, or custom IN:OUT:CONCURRENCY entries")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per workload (0: max(8, 4*concurrency))")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each workload per engine, each on prompts of its own; the table shows medians")
+    p.add_argument("--interleave", action="store_true",
+                   help="start every server first, then let the engines take turns run by run (one under load "
+                        "at a time, the others idle), so that host noise falls on all of them alike")
     p.add_argument("--warmup", type=int, default=-1, help="warm-up requests per workload (-1: min(concurrency, 4))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra-body", default=None,
                    help='JSON merged into every request of every engine, e.g. \'{"temperature": 0.7, "top_p": 0.95}\' '
                         "(default: greedy, as vLLM's benchmark)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--port", type=int, default=0, help="port for every server (0: a free one each time)")
+    p.add_argument("--port", type=int, default=0, help="first server's port, the next one's +1, ... (0: free ones)")
     p.add_argument("--python", default=os.path.join(REPO, ".venv", "bin", "python")
                    if os.path.exists(os.path.join(REPO, ".venv", "bin", "python")) else sys.executable,
                    help="Python that runs `-m service`")
@@ -642,6 +782,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json-out", default=None)
     p.add_argument("--verbose", "-v", action="store_true", help="print each bench report")
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error("--repeats must be at least 1")
     a.gguf = a.gguf or bs.default_gguf_path()
     return a
 
@@ -665,12 +807,10 @@ def main(argv=None) -> int:
     workloads = parse_workloads(a.workloads)
 
     tokenizer = bs.load_tokenizer(a.tokenizer or a.gguf)
-    prompts = workload_prompts(tokenizer, workloads, a.num_prompts, a.seed)
+    prompts = workload_prompts(tokenizer, workloads, a.num_prompts, a.seed, a.repeats)
 
-    results: dict[str, dict] = {}
     started = time.time()
-    for e in engines:
-        results[e] = run_engine(e, a, workloads, prompts, tokenizer)
+    results = run_all(engines, a, workloads, prompts, tokenizer)
 
     table = markdown_table(results, workloads)
     print(table)

@@ -233,19 +233,44 @@ def test_itl_spread_from_retokenizing(tiny_tok):
     assert bs.compute_itl(out, tiny_tok) == pytest.approx([0.1, 0.2])
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:  # gone meanwhile
+        return b""
+
+
 def test_compare_workloads_share_no_prompts(tiny_tok):
     """Each workload of a run has prompts of its own (with shared ones, a later workload ran out of
     an earlier one's prefix cache); the same seed still gives the same prompts."""
     from benchmarks import compare
 
     workloads = compare.parse_workloads("c1,128:128:8,c16,c32,long")
-    prompts = compare.workload_prompts(tiny_tok, workloads, 0, seed=0)
+    prompts = compare.workload_prompts(tiny_tok, workloads, 0, seed=0, repeats=3)
     seen: set[str] = set()
     for w in workloads:
-        assert len(prompts[w.name]) == max(8, 4 * w.concurrency)
-        assert not seen & set(prompts[w.name]), w.name
-        seen |= set(prompts[w.name])
-    assert compare.workload_prompts(tiny_tok, workloads, 0, seed=0) == prompts
+        assert len(prompts[w.name]) == 3  # --repeats: a prompt set per run, none shared with another run
+        for rep in prompts[w.name]:
+            assert len(rep) == max(8, 4 * w.concurrency)
+            assert not seen & set(rep), w.name
+            seen |= set(rep)
+    assert compare.workload_prompts(tiny_tok, workloads, 0, seed=0, repeats=3) == prompts
+    assert compare.workload_prompts(tiny_tok, workloads, 0, seed=0)["c16"] == prompts["c16"][:1]
+
+
+def test_compare_summary_is_the_median_run():
+    """--repeats: the table shows each metric's median over the runs that completed; counts add up."""
+    from benchmarks import compare
+
+    def run(tput, tpot, completed=4, failed=0):
+        return {"output_throughput": tput, "median_tpot_ms": tpot, "median_ttft_ms": 10.0, "other_cpu_cores": 0.0,
+                "completed": completed, "failed": failed, "num_prompts": 4, "total_output_tokens": 128 * completed}
+
+    s = compare.summarize([run(900, 30), run(700, 40), run(0, 0, completed=0, failed=4), run(800, 35)])
+    assert s["output_throughput"] == 800 and s["median_tpot_ms"] == 35
+    assert s["completed"] == 12 and s["failed"] == 4 and s["num_prompts"] == 16 and len(s["repeats"]) == 4
+    assert compare.summarize([run(900, 30)])["output_throughput"] == 900
 
 
 def test_compare_end_to_end_with_fake_server(tiny_tok, tmp_path):
@@ -278,13 +303,35 @@ def test_compare_end_to_end_with_fake_server(tiny_tok, tmp_path):
     assert table.startswith("| workload | metric | ours | llama.cpp | ours vs llama |")
     assert "| 128/128 c=1 | output tok/s |" in table and "n/a" in table
     # the fake server was stopped
-    def cmdline(pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return f.read()
-        except OSError:
-            return b""
-    assert not [p for p in compare.process_tree(os.getpid()) if b"--fake-server" in cmdline(p)]
+    assert not [p for p in compare.process_tree(os.getpid()) if b"--fake-server" in _cmdline(p)]
+
+
+def test_compare_repeats_interleaved_with_fake_server(tiny_tok, tmp_path):
+    """--repeats 2 --interleave: every server up first, each workload run twice on fresh prompts,
+    medians in the table and the runs listed under it; the server is stopped at the end."""
+    import signal
+
+    from benchmarks import compare
+
+    tok_path = tmp_path / "tokenizer.json"
+    tiny_tok.backend.save(str(tok_path))
+    out = tmp_path / "cmp.json"
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        rc = compare.main([
+            "--ours-cmd", f"{sys.executable} {os.path.abspath(__file__)} --fake-server --port {{port}}",
+            "--gguf", str(tmp_path / "x.gguf"), "--tokenizer", str(tok_path), "--workloads", "16:4:2",
+            "--num-prompts", "3", "--warmup", "0", "--repeats", "2", "--interleave",
+            "--idle-wait", "0.1", "--log-dir", str(tmp_path), "--json-out", str(out)])
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert rc == 0
+    d = json.loads(out.read_text())
+    w = d["engines"]["ours"]["workloads"]["16x4c2"]
+    assert [m["completed"] for m in w["repeats"]] == [3, 3] and w["completed"] == 6
+    assert "peak_rss_mb" in d["engines"]["ours"]
+    assert "- 16/4 c=2, output tok/s run by run (the table has the medians): ours " in d["table"]
+    assert not [p for p in compare.process_tree(os.getpid()) if b"--fake-server" in _cmdline(p)]
 
 
 if __name__ == "__main__":
