@@ -273,8 +273,8 @@ def test_compare_summary_is_the_median_run():
     assert compare.summarize([run(900, 30)])["output_throughput"] == 900
 
 
-def test_compare_end_to_end_with_fake_server(tiny_tok, tmp_path):
-    """compare.py: start a server (the fake one, via --ours-cmd), health, RSS, bench, stop, table, JSON."""
+def _compare_with_fake_server(tiny_tok, tmp_path, *args: str) -> dict:  # noqa: ANN001
+    """compare.main with the fake server as ours (via --ours-cmd); its JSON report."""
     import signal
 
     from benchmarks import compare
@@ -286,13 +286,20 @@ def test_compare_end_to_end_with_fake_server(tiny_tok, tmp_path):
     try:
         rc = compare.main([
             "--ours-cmd", f"{sys.executable} {os.path.abspath(__file__)} --fake-server --port {{port}}",
-            "--peers", "llama", "--llama-dir", str(tmp_path / "no-llama"), "--gguf", str(tmp_path / "x.gguf"),
-            "--tokenizer", str(tok_path), "--workloads", "c1,16:4:2", "--num-prompts", "4", "--warmup", "1",
-            "--idle-wait", "0.1", "--log-dir", str(tmp_path), "--json-out", str(out)])
+            "--gguf", str(tmp_path / "x.gguf"), "--tokenizer", str(tok_path), "--idle-wait", "0.1",
+            "--log-dir", str(tmp_path), "--json-out", str(out), *args])
     finally:
         signal.signal(signal.SIGTERM, old)
     assert rc == 0
-    d = json.loads(out.read_text())
+    # the fake server was stopped
+    assert not [p for p in compare.process_tree(os.getpid()) if b"--fake-server" in _cmdline(p)]
+    return json.loads(out.read_text())
+
+
+def test_compare_end_to_end_with_fake_server(tiny_tok, tmp_path):
+    """compare.py: start a server (the fake one, via --ours-cmd), health, RSS, bench, stop, table, JSON."""
+    d = _compare_with_fake_server(tiny_tok, tmp_path, "--peers", "llama", "--llama-dir", str(tmp_path / "no-llama"),
+                                  "--workloads", "c1,16:4:2", "--num-prompts", "4", "--warmup", "1")
     ours = d["engines"]["ours"]
     assert "error" not in ours, ours.get("error")
     assert 0 < ours["startup_s"] < 30 and ours["idle_rss_mb"] > 5
@@ -302,36 +309,17 @@ def test_compare_end_to_end_with_fake_server(tiny_tok, tmp_path):
     table = d["table"]
     assert table.startswith("| workload | metric | ours | llama.cpp | ours vs llama |")
     assert "| 128/128 c=1 | output tok/s |" in table and "n/a" in table
-    # the fake server was stopped
-    assert not [p for p in compare.process_tree(os.getpid()) if b"--fake-server" in _cmdline(p)]
 
 
 def test_compare_repeats_interleaved_with_fake_server(tiny_tok, tmp_path):
     """--repeats 2 --interleave: every server up first, each workload run twice on fresh prompts,
     medians in the table and the runs listed under it; the server is stopped at the end."""
-    import signal
-
-    from benchmarks import compare
-
-    tok_path = tmp_path / "tokenizer.json"
-    tiny_tok.backend.save(str(tok_path))
-    out = tmp_path / "cmp.json"
-    old = signal.getsignal(signal.SIGTERM)
-    try:
-        rc = compare.main([
-            "--ours-cmd", f"{sys.executable} {os.path.abspath(__file__)} --fake-server --port {{port}}",
-            "--gguf", str(tmp_path / "x.gguf"), "--tokenizer", str(tok_path), "--workloads", "16:4:2",
-            "--num-prompts", "3", "--warmup", "0", "--repeats", "2", "--interleave",
-            "--idle-wait", "0.1", "--log-dir", str(tmp_path), "--json-out", str(out)])
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    assert rc == 0
-    d = json.loads(out.read_text())
+    d = _compare_with_fake_server(tiny_tok, tmp_path, "--workloads", "16:4:2", "--num-prompts", "3", "--warmup", "0",
+                                  "--repeats", "2", "--interleave")
     w = d["engines"]["ours"]["workloads"]["16x4c2"]
     assert [m["completed"] for m in w["repeats"]] == [3, 3] and w["completed"] == 6
     assert "peak_rss_mb" in d["engines"]["ours"]
     assert "- 16/4 c=2, output tok/s run by run (the table has the medians): ours " in d["table"]
-    assert not [p for p in compare.process_tree(os.getpid()) if b"--fake-server" in _cmdline(p)]
 
 
 if __name__ == "__main__":
