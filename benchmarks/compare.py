@@ -494,6 +494,7 @@ class EngineRun:
         self.engine, self.a = engine, a
         self.port = a.port + index if a.port else 0  # --port P: P, P + 1, ... (with --interleave all are up at once)
         self.res: dict[str, Any] = {"engine": engine, "workloads": {}}
+        self.runs: dict[str, list[dict]] = {}  # each workload's runs; res["workloads"] holds their summary
         self.srv: Optional[Server] = None
         self.sampler: Optional[RssSampler] = None
         self.frozen = False
@@ -569,7 +570,7 @@ class EngineRun:
         except Exception as e:  # noqa: BLE001 - report and go on to the next engine
             self._fail(e)
             return
-        runs = self.res["workloads"].setdefault(w.name, {"repeats": []})["repeats"]
+        runs = self.runs.setdefault(w.name, [])
         runs.append(m)
         self.res["workloads"][w.name] = summarize(runs)
         if a.verbose:
@@ -594,11 +595,12 @@ class EngineRun:
 
 def summarize(runs: list[dict]) -> dict:
     """A workload's metrics over its runs: each table metric's median over the runs that completed
-    requests (a single run stands for itself), counts summed, every run kept under ``repeats``."""
+    requests (a single run stands for itself), counts summed, the other fields the last run's, every
+    run kept under ``repeats``."""
     done = [m for m in runs if m["completed"]]
-    out: dict[str, Any] = dict(done[len(done) // 2] if done else runs[-1])
+    out: dict[str, Any] = dict(runs[-1])
     for key in [k for k, _, _ in METRICS] + ["other_cpu_cores"]:
-        vals = sorted(m[key] for m in done if m.get(key) is not None)
+        vals = [m[key] for m in done if m.get(key) is not None]
         if vals:
             out[key] = statistics.median(vals)
     for key in ("completed", "failed", "num_prompts", "total_output_tokens"):
@@ -750,8 +752,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each workload per engine, each on prompts of its own; the table shows medians")
     p.add_argument("--interleave", action="store_true",
-                   help="start every server first, then let the engines take turns run by run (one under load "
-                        "at a time, the others idle), so that host noise falls on all of them alike")
+                   help="start every server first, then let the engines take turns run by run (one running "
+                        "at a time, the others frozen), so that host noise falls on all of them alike")
     p.add_argument("--warmup", type=int, default=-1, help="warm-up requests per workload (-1: min(concurrency, 4))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra-body", default=None,
