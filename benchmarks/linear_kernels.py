@@ -98,9 +98,15 @@ def kernel_table(ms: list[int], isa: str | None) -> dict[tuple[str, int], tuple[
     gen = torch.Generator().manual_seed(0)
     results = {}
     print(f"packed kernel path: {isa or Q.available_isas()[-1]}; torch threads: {torch.get_num_threads()}")
-    rows_isa = None if isa is None else isa if isa in ("scalar", "avx512-vnni") else "scalar"
+    # The row-int8 copies on each fast path this CPU has (AVX-512 VNNI, AMX int8), side by side; with
+    # --isa, on that path where it is a row-int8 one, else on the scalar reference.
+    fast_rows = [r for r in Q.rows_isas() if r != "scalar"]
+    rows_isas = (fast_rows or ["scalar"]) if isa is None else [isa if isa in Q.rows_isas() else "scalar"]
+    print(f"row-int8 paths: {', '.join(rows_isas)}")
     print(f"{'shape':8s} {'N x K':>12s} {'M':>3s} | {'dense bf16':>10s} {'GB/s':>6s} | {'packed a16':>10s} {'GB/s':>6s} | "
-          f"{'speedup':>7s} | {'packed a8':>9s} {'speedup':>7s} | {'row-int8':>9s} {'speedup':>7s} {'vs a8':>6s}")
+          f"{'speedup':>7s} | {'packed a8':>9s} {'speedup':>7s} | "
+          + " | ".join(f"{r[:9]:>9s} {'speedup':>7s} {'vs a8':>6s}" for r in rows_isas)
+          + (f" | {rows_isas[-1][:4] + '/' + rows_isas[0][:4]:>9s}" if len(rows_isas) > 1 else ""))
     for name, n, k, qtype in SHAPES:
         dense_bytes = n * k * 2
         raw = _random_blocks(qtype, n, k, gen)
@@ -111,22 +117,24 @@ def kernel_table(ms: list[int], isa: str | None) -> dict[tuple[str, int], tuple[
         dense = [w0] + [w0.clone() for _ in range(n_dense - 1)]
         packed = [packed0] + [Q.PackedWeight(packed0.data.clone(), qtype, (n, k), isa, 16) for _ in range(n_packed - 1)]
         packed8 = [p.with_isa(isa, 8) for p in packed]
-        rows0 = Q.rows_int8_from(packed0, rows_isa)
-        rows = [rows0] + [Q.RowInt8Weight(rows0.data.clone(), rows0.scales, (n, k), rows_isa)
+        rows0 = Q.rows_int8_from(packed0)
+        rows = [rows0] + [Q.RowInt8Weight(rows0.data.clone(), rows0.scales, (n, k))
                           for _ in range(max(1, WORKING_SET // rows0.nbytes) - 1)]
+        rows_by_isa = {ri: [Q.RowInt8Weight(r.data, r.scales, (n, k), ri) for r in rows] for ri in rows_isas}
         for m in ms:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             td = best_time([lambda w=w: F.linear(x, w) for w in dense])
             tp = best_time([lambda p=p: p(x) for p in packed])
             t8 = best_time([lambda p=p: p(x) for p in packed8])
-            tr = best_time([lambda r=r: r(x) for r in rows])
+            trs = [best_time([lambda r=r: r(x) for r in rows_by_isa[ri]]) for ri in rows_isas]
             results[(name, m)] = (td, tp)
             print(
                 f"{name:8s} {f'{n}x{k}':>12s} {m:3d} | {td * 1e6:8.1f}us {dense_bytes / td / 1e9:6.1f} | "
-                f"{tp * 1e6:8.1f}us {packed0.nbytes / tp / 1e9:6.1f} | {td / tp:6.2f}x | {t8 * 1e6:7.1f}us {td / t8:6.2f}x"
-                f" | {tr * 1e6:7.1f}us {td / tr:6.2f}x {t8 / tr:5.2f}x"
+                f"{tp * 1e6:8.1f}us {packed0.nbytes / tp / 1e9:6.1f} | {td / tp:6.2f}x | {t8 * 1e6:7.1f}us {td / t8:6.2f}x | "
+                + " | ".join(f"{tr * 1e6:7.1f}us {td / tr:6.2f}x {t8 / tr:5.2f}x" for tr in trs)
+                + (f" | {trs[0] / trs[-1]:8.2f}x" if len(trs) > 1 else "")
             )
-        del dense, packed, packed8, rows
+        del dense, packed, packed8, rows, rows_by_isa
     return results
 
 

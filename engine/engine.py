@@ -142,7 +142,7 @@ class LLMEngine:
         large_int8 = self.config.large_batch_int8
         rows_int8 = self.config.large_batch_rows_int8
         if rows_int8 and not quant.rows_int8_fast():
-            logger.info("no AVX-512 VNNI here: large batches use the packed blocks, not row-int8 copies")
+            logger.info("no AVX-512 VNNI or AMX here: large batches use the packed blocks, not row-int8 copies")
             rows_int8 = False
         stats = quant.attach_gguf_weights(
             self.runner.model,
@@ -157,7 +157,9 @@ class LLMEngine:
             native_layers = self.runner.model.bind_packed_layers()
             large = "dense"
             if large_int8:
-                large = "packed, int8 activations" + ("; row-int8 copies for larger ones" if rows_int8 else "")
+                large = "packed, int8 activations" + (
+                    f"; row-int8 copies ({quant.rows_isas()[-1]}) for larger ones" if rows_int8 else ""
+                )
             logger.info(
                 "packed weights: %d from the file, %d quantized to Q8_0, %d dense (%.0f MiB); large batches: %s; "
                 "%d layers on the native packed path",

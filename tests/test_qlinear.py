@@ -451,12 +451,12 @@ def test_attach_default_model(smollm2_reader):
 
 # ---------------------------------------------------------------- row-scaled int8 copies (large batches)
 
-ROWS_ISAS = ["scalar", "avx512-vnni"]
+ROWS_ISAS = ["scalar", "avx512-vnni", "amx-int8"]
 
 
 @pytest.fixture(params=ROWS_ISAS)
 def rows_isa(request):
-    if request.param not in Q.available_isas():
+    if request.param not in Q.rows_isas():
         pytest.skip(f"{request.param} not supported on this CPU")
     return request.param
 
@@ -480,7 +480,7 @@ def test_rows_int8_quantization_bounds_and_layout():
         Q.quantize_rows_int8(torch.randn(4, 40))
 
 
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 32, 97])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 16, 32, 97])  # AVX-512 tiles 6 rows, AMX 16
 @pytest.mark.parametrize("n", [16, 40, 80])  # one group; an odd count with padding; pairs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_int8_matmul(rows_isa, m, n, dtype):
@@ -495,7 +495,7 @@ def test_rows_int8_matmul(rows_isa, m, n, dtype):
 
 
 def test_rows_int8_paths_agree_and_take_views():
-    if "avx512-vnni" not in Q.available_isas():
+    if "avx512-vnni" not in Q.rows_isas():
         pytest.skip("avx512-vnni not supported on this CPU")
     g = torch.Generator().manual_seed(7)
     w = torch.randn(200, 576, generator=g) * 0.05
@@ -505,6 +505,34 @@ def test_rows_int8_paths_agree_and_take_views():
     assert y.shape == (3, 20, 200)
     torch.testing.assert_close(y, ref(x), atol=1e-5, rtol=1e-5)  # same integer sums and float steps
     torch.testing.assert_close(y, fast(x.contiguous()), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("k", [32, 64, 576, 1536])  # 1, 2, 18 and 48 blocks: odd and even counts
+def test_rows_int8_amx_gives_the_avx512_bits(k):
+    """The AMX tiles compute the AVX-512 kernel's integer sums and the same float steps in the same
+    order, so a model's outputs do not depend on which of the two a host has: every batch size
+    through full 16-row tiles and every tail, bf16 and float32, with bias."""
+    if "amx-int8" not in Q.rows_isas():
+        pytest.skip("amx-int8 not supported on this CPU")
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(72, k, generator=g) * 0.05
+    amx, vnni = Q.quantize_rows_int8(w, "amx-int8"), Q.quantize_rows_int8(w, "avx512-vnni")
+    bias = torch.randn(72, generator=g)
+    for m in list(range(1, 34)) + [47, 64, 200]:
+        x = torch.randn(m, k, generator=g) * 2
+        for dtype in (torch.float32, torch.bfloat16):
+            xd, bd = x.to(dtype), bias.to(dtype)
+            torch.testing.assert_close(amx(xd, bd), vnni(xd, bd), atol=0, rtol=0)
+        torch.testing.assert_close(amx(x, float32_out=True), vnni(x, float32_out=True), atol=0, rtol=0)
+
+
+def test_block_kernel_refuses_the_amx_path():
+    """amx-int8 is a row-int8 path: the block kernels say so instead of running something else."""
+    if "amx-int8" not in Q.rows_isas():
+        pytest.skip("amx-int8 not supported on this CPU")
+    pw = Q.quantize_q8_0(torch.randn(32, 64), "amx-int8")
+    with pytest.raises(RuntimeError, match="row-int8 weights only"):
+        pw(torch.randn(2, 64))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])

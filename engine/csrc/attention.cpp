@@ -26,18 +26,13 @@
 #include <string>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "attention_common.h"
 #include "attention_vec256.h"
 #include "attention_vec512.h"
 #include "ops.h"
 
 // ------------------------------------------------------------------ AMX, real tiles
-// AMX intrinsics need GCC >= 11 (or clang >= 12); older compilers build without amx.
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
-#define CPUSERVE_HAVE_AMX 1
-#else
-#define CPUSERVE_HAVE_AMX 0
-#endif
 
 #if CPUSERVE_HAVE_AMX
 #pragma GCC push_options

@@ -15,13 +15,7 @@
 // A unit of R query rows runs ceil(R / 16) row tiles of min(R, 16) rows; rows past
 // R are zero (query) and never read back.
 
-struct alignas(64) TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using cpuserve_amx::TileConfig;
 
 struct Ops {
   static void begin(const AttnParams& p, Scratch& s, int R) {

@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = -1, py::arg("out_float32") = false);
   m.def("qlinear_isas", &qlinear_isas, "qlinear instruction-set paths usable on this CPU");
   m.def("qlinear_best_isa", &qlinear_best_isa, "the qlinear path used by default");
+  m.def("qlinear_rows_isas", &qlinear_rows_isas, "row-int8 instruction-set paths usable on this CPU, best last");
   // ---- end qlinear.cpp ----
   m.def("qlinear_rows_from_packed", &qlinear_rows_from_packed, "row-scaled int8 copy of a packed weight", nogil,
         py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("k"));

@@ -19,6 +19,7 @@ torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& 
                                    int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
                                    bool out_float32 = false);
 std::vector<int64_t> qlinear_isas();  // usable paths: 0 scalar, 1 avx2, 2 avx-vnni, 3 avx512-vnni
+std::vector<int64_t> qlinear_rows_isas();  // usable row-int8 paths, best last: 0 scalar, 3 avx512-vnni, 4 amx-int8
 int64_t qlinear_best_isa();
 // ---- end qlinear.cpp ----
 

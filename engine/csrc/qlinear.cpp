@@ -10,6 +10,7 @@
 // at run time; the scalar path is the portable reference.  Work splits over groups of 16 output
 // rows across OpenMP threads (torch's own libgomp, so one thread pool), and the activation
 // quantization happens inside the same parallel region.
+#include "amx_tiles.h"
 #include "ops.h"
 #include "qlinear.h"
 #include "vec512_rows.h"
@@ -20,7 +21,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cpuid.h>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <c10/util/BFloat16.h>
@@ -74,6 +77,7 @@ struct Problem {
   // 128 * sum_b xs (what the weights' +128 offset adds to each dot product, in output units).
   const float* wscale = nullptr;
   const float* xcorr = nullptr;
+  int rows_tile = 0;  // activation rows per tile of xq / xd (rows_tiled_q below)
 };
 
 // Which blocks of a weight group this pass over it prefetches ahead: the kernels pass over a group
@@ -118,17 +122,19 @@ struct QuantRow {
   int d_stride;
 };
 
-// The row-scaled kernels take activations in tiles of kRowsTile rows (the AVX-512 kernel's row
-// tile): tile T holds rows kRowsTile * T onwards, h of them (kRowsTile, or fewer in the last tile),
-// block by block, each block the h rows' 32 int8 back to back; the scales likewise [T][block][h].
-// A tile's activations then sit behind one pointer with constant offsets: with a row stride, six
-// row pointers and their per-block address arithmetic spilled general registers in the block loop
-// (one thread, 512 rows: gate_up 398-419 -> 418-434 GMAC/s, qkv 395-403 -> 408-415).
+// The row-scaled kernels take activations in tiles of `tile` rows (the kernel's row tile: 6 for
+// AVX-512, 16 for AMX): tile T holds rows tile * T onwards, h of them (tile, or fewer in the last
+// tile), block by block, each block the h rows' 32 int8 back to back; the scales likewise
+// [T][block][h].  A tile's activations then sit behind one pointer with constant offsets: with a
+// row stride, six row pointers and their per-block address arithmetic spilled general registers in
+// the AVX-512 block loop (one thread, 512 rows: gate_up 398-419 -> 418-434 GMAC/s, qkv 395-403 ->
+// 408-415); for AMX a block of a tile is one A tile (h rows of 32 bytes, stride 32).
 constexpr int kRowsTile = 6;
+constexpr int kAmxRows = 16;
 
-inline int rows_tile_height(int m, int r) { return std::min(kRowsTile, m - r / kRowsTile * kRowsTile); }
-inline int64_t rows_tiled_q(int64_t k, int r) { return r / kRowsTile * kRowsTile * k + r % kRowsTile * kBlock; }
-inline int64_t rows_tiled_d(int nb, int r) { return static_cast<int64_t>(r / kRowsTile) * kRowsTile * nb + r % kRowsTile; }
+inline int rows_tile_height(int m, int r, int tile) { return std::min(tile, m - r / tile * tile); }
+inline int64_t rows_tiled_q(int64_t k, int r, int tile) { return r / tile * tile * k + r % tile * kBlock; }
+inline int64_t rows_tiled_d(int nb, int r, int tile) { return static_cast<int64_t>(r / tile) * tile * nb + r % tile; }
 
 void quantize_row_scalar(const QuantRow& r) {
   const int nb = static_cast<int>(r.k / kBlock);
@@ -223,9 +229,9 @@ void rows_group_scalar(const Problem& p, int64_t g) {
   const int rows_valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(kRowsBlockBytes);
   for (int t = 0; t < p.m; ++t) {
-    const int h = rows_tile_height(p.m, t);
-    const int8_t* xq = p.xq + rows_tiled_q(p.k, t);
-    const float* xd = p.xd + rows_tiled_d(p.nb, t);
+    const int h = rows_tile_height(p.m, t, p.rows_tile);
+    const int8_t* xq = p.xq + rows_tiled_q(p.k, t, p.rows_tile);
+    const float* xd = p.xd + rows_tiled_d(p.nb, t, p.rows_tile);
     for (int r = 0; r < rows_valid; ++r) {
       float acc = 0.f;
       for (int b = 0; b < p.nb; ++b) {
@@ -504,8 +510,8 @@ QL_AVX512 void rows_tile_avx512(const Problem& p, int64_t g, int t0, int pass, i
   const int nb = p.nb;
   const int64_t gstride = static_cast<int64_t>(nb) * kRowsBlockBytes;
   const uint8_t* wg = p.w + g * gstride;
-  const int8_t* xt = p.xq + rows_tiled_q(p.k, t0);  // this tile (MT rows), block by block
-  const float* dt = p.xd + rows_tiled_d(nb, t0);
+  const int8_t* xt = p.xq + rows_tiled_q(p.k, t0, kRowsTile);  // this tile (MT rows), block by block
+  const float* dt = p.xd + rows_tiled_d(nb, t0, kRowsTile);
   __m512 acc[NG][MT];
   for (int i = 0; i < NG; ++i)
     for (int t = 0; t < MT; ++t) acc[i][t] = _mm512_setzero_ps();
@@ -673,10 +679,18 @@ QL_AVX2 inline void store8(const Problem& p, int t, int64_t col, int valid, __m2
 #undef QL_TARGET
 #undef QL_VNNI
 
+#include "qlinear_amx.h"
+
 namespace qlinear {
 namespace {
 
 // ---------------------------------------------------------------- dispatch
+
+// CPUID leaf 7 EDX bit 25; the tile state itself is granted by cpu_has_amx (cpu_features.cpp).
+bool cpu_has_amx_int8() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && ((edx >> 25) & 1) && cpu_has_amx();
+}
 
 bool isa_supported(int isa) {
   switch (isa) {
@@ -687,10 +701,15 @@ bool isa_supported(int isa) {
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx512vnni") && isa_supported(kAvx2);
+    case kAmxInt8: {
+      static const bool ok = CPUSERVE_HAVE_AMX && isa_supported(kAvx512Vnni) && cpu_has_amx_int8();
+      return ok;
+    }
     default: return false;
   }
 }
 
+// The block kernels' best path (kAmxInt8 runs the row-int8 weights only).
 int best_isa() {
   static const int best = [] {
     for (int isa = kAvx512Vnni; isa > kScalar; --isa)
@@ -728,15 +747,27 @@ std::vector<int64_t> qlinear_isas() {
   return out;
 }
 
+std::vector<int64_t> qlinear_rows_isas() {
+  std::vector<int64_t> out;
+  for (int isa : {kScalar, kAvx512Vnni, kAmxInt8})
+    if (isa_supported(isa)) out.push_back(isa);
+  return out;
+}
+
 int64_t qlinear_best_isa() { return best_isa(); }
 
 namespace {
 
+// What a thread holds while it runs its share of a call's groups: nothing, or (AMX) its tiles.
+struct NoScope {
+  explicit NoScope(const Problem&) {}
+};
+
 // Shared by both entry points: quantize x's rows (digits int8 planes per 32-block, into the
 // calling thread's scratch; with row-scaled weights, p.wscale set, also each row's xcorr), then
-// run `range` over the weight's 16-row groups, split across threads in stealable spans.
-// `weight_bytes` sizes the thread count.
-template <typename RangeFn>
+// run `range` over the weight's 16-row groups, split across threads in stealable spans, each
+// thread inside a `Scope` made from the problem.  `weight_bytes` sizes the thread count.
+template <typename Scope = NoScope, typename RangeFn>
 torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
                          int isa, int digits, int64_t weight_bytes, bool out_float32, Problem& p, const RangeFn& range) {
   const bool row_corrections = p.wscale != nullptr;
@@ -761,7 +792,9 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
   const int nb = static_cast<int>(k / kBlock);
   static thread_local Scratch tls_scratch;
   Scratch& scratch = tls_scratch;  // the caller's buffers, also inside the parallel region
-  if (scratch.q.size() < static_cast<size_t>(m * k * digits)) scratch.q.resize(m * k * digits);
+  // (the AMX kernel's last activation tile reads up to a tile's rows of one block past the end)
+  const size_t q_bytes = static_cast<size_t>(m * k * digits + kAmxRows * kBlock);
+  if (scratch.q.size() < q_bytes) scratch.q.resize(q_bytes);
   if (scratch.d.size() < static_cast<size_t>(m * nb)) {
     scratch.d.resize(m * nb);
     scratch.s.resize(m * nb);
@@ -793,13 +826,13 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
     QuantRow qr{xbase + r * xrow_bytes, bf16, k, digits, scratch.q.data() + r * k * digits, scratch.d.data() + r * nb,
                 scratch.s.data() + r * nb, scratch.sum.data() + r * nb, kBlock * digits, 1};
     if (row_corrections) {  // the row-scaled kernels' tiled layout
-      const int h = rows_tile_height(static_cast<int>(m), static_cast<int>(r));
-      qr.q = scratch.q.data() + rows_tiled_q(k, static_cast<int>(r));
-      qr.d = scratch.d.data() + rows_tiled_d(nb, static_cast<int>(r));
+      const int h = rows_tile_height(static_cast<int>(m), static_cast<int>(r), p.rows_tile);
+      qr.q = scratch.q.data() + rows_tiled_q(k, static_cast<int>(r), p.rows_tile);
+      qr.d = scratch.d.data() + rows_tiled_d(nb, static_cast<int>(r), p.rows_tile);
       qr.q_stride = static_cast<int64_t>(h) * kBlock;
       qr.d_stride = h;
     }
-    if (isa == kAvx512Vnni)
+    if (isa >= kAvx512Vnni)
       quantize_row_avx512(qr);
     else if (isa >= kAvx2)
       quantize_row_avx2(qr);
@@ -828,6 +861,7 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
   if (!quant_inside)
     for (int64_t r = 0; r < m; ++r) quant_row(r);
   if (!parallel) {
+    Scope scope(p);
     range(int64_t{0}, groups);
     return out;
   }
@@ -841,6 +875,7 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
       for (int64_t r = m * me / nt; r < m * (me + 1) / nt; ++r) quant_row(r);
 #pragma omp barrier
     }
+    Scope scope(p);
     spans.run(me, [&](int64_t u) { range(u * unit, std::min(groups, (u + 1) * unit)); });
   }
   return out;
@@ -861,6 +896,7 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
                   packed.numel() == groups * (k / kBlock) * gbytes,
               "qlinear: packed weight does not match its shape and qtype");
   const int path = resolve_isa(isa);
+  TORCH_CHECK(path <= kAvx512Vnni, "qlinear: amx-int8 runs row-int8 weights only (qlinear_rows_forward)");
   Problem p;
   p.w = packed.data_ptr<uint8_t>();
   p.qtype = static_cast<int>(qtype);
@@ -890,13 +926,21 @@ torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& 
               "qlinear_rows: packed weight does not match its shape");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == groups * kGroupRows,
               "qlinear_rows: scales must be float32 [", groups * kGroupRows, "]");
-  const int path = isa >= 0 ? static_cast<int>(isa) : isa_supported(kAvx512Vnni) ? kAvx512Vnni : kScalar;
-  TORCH_CHECK(path == kScalar || path == kAvx512Vnni, "qlinear_rows: paths are scalar and avx512-vnni");
+  static const int best = static_cast<int>(qlinear_rows_isas().back());
+  const int path = isa >= 0 ? static_cast<int>(isa) : best;
+  TORCH_CHECK(path == kScalar || path == kAvx512Vnni || path == kAmxInt8,
+              "qlinear_rows: paths are scalar, avx512-vnni and amx-int8");
   Problem p;
   p.w = packed.data_ptr<uint8_t>();
   p.qtype = 0;
   p.gbytes = kRowsBlockBytes;
   p.wscale = scales.data_ptr<float>();
+  p.rows_tile = path == kAmxInt8 ? kAmxRows : kRowsTile;
+#if CPUSERVE_HAVE_AMX
+  if (path == kAmxInt8)
+    return run_groups<amx::Tiles>(x, n, k, bias, path, 1, packed.numel(), out_float32, p,
+                                  [&](int64_t g0, int64_t g1) { amx::rows_range(p, g0, g1); });
+#endif
   return run_groups(x, n, k, bias, path, 1, packed.numel(), out_float32, p, [&](int64_t g0, int64_t g1) {
     if (path == kAvx512Vnni) {
       rows_range_avx512(p, g0, g1);

@@ -48,7 +48,7 @@ BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF bytes per 32 weights
 GROUP_ROWS = 16
 GROUP_BLOCK_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni", 4: "amx-int8"}  # amx-int8: row-int8 only
 
 # Largest batch that goes to the packed kernel, by (qtype family, activation bits).  Measured with
 # benchmarks/linear_kernels.py on a 2-core AVX-512 VNNI host (no AMX) at the default model's
@@ -102,14 +102,21 @@ def native_available() -> bool:
 
 
 def available_isas() -> list[str]:
+    """The block kernels' paths usable here, best last."""
     mod = _native()
     return [ISA_NAMES[i] for i in mod.qlinear_isas()] if mod is not None else []
 
 
+def rows_isas() -> list[str]:
+    """The row-int8 kernel's paths usable here, best last (scalar, avx512-vnni, amx-int8)."""
+    mod = _native()
+    return [ISA_NAMES[i] for i in mod.qlinear_rows_isas()] if mod is not None and hasattr(mod, "qlinear_rows_isas") else []
+
+
 def rows_int8_fast() -> bool:
-    """Whether this CPU has the row-int8 kernel's fast path (AVX-512 VNNI; elsewhere only the
-    scalar reference exists, and the block kernels serve large batches)."""
-    return "avx512-vnni" in available_isas()
+    """Whether this CPU has a fast path for the row-int8 kernel (AVX-512 VNNI or AMX int8;
+    elsewhere only the scalar reference exists, and the block kernels serve large batches)."""
+    return len(rows_isas()) > 1
 
 
 def isa_id(isa: Optional[str]) -> int:
@@ -223,7 +230,8 @@ class RowInt8Weight:
     of its row's largest magnitude, so that the kernel's inner loop is integer dot products and
     one FMA per block: 1.3-1.5x the block kernel's speed from ~16 rows up on the development host
     (``benchmarks/linear_kernels.py``), 1.6x the bytes of Q4_1.  The accuracy cost is measured with
-    the other paths (``benchmarks/quality.py``).  Kernels: AVX-512 VNNI and the scalar reference.
+    the other paths (``benchmarks/quality.py``).  Kernels: AMX int8 tiles, AVX-512 VNNI and the
+    scalar reference, all giving the same bits.
     """
 
     def __init__(self, data: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], isa: Optional[str] = None) -> None:
