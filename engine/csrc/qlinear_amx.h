@@ -56,6 +56,7 @@ struct Tiles {
 // acc[t] += float(c row t) * d[t] for the tile's H activation rows.
 template <int H>
 inline void accumulate(__m512* acc, const int32_t* c, const float* d) {
+#pragma GCC unroll 16
   for (int t = 0; t < H; ++t)
     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * t)), _mm512_set1_ps(d[t]), acc[t]);
 }
@@ -76,12 +77,22 @@ inline void prefetch_next_group(PrefetchTurn& turn, const uint8_t* next_group, i
   do {                                                                       \
     if ((b) >= 2) accumulate<H>(acc, c[S], dt + ((b) - 2) * H);              \
     prefetch_next_group(turn, wg + gstride, b);                              \
+    prefetch_l1(xt + ((b) + 2) * H * kBlock, wg + static_cast<int64_t>((b) + 2) * kRowsBlockBytes); \
     QL_TILE_LOAD(S, xt + (b) * H * kBlock, kBlock);                          \
     QL_TILE_LOAD(BT, wg + static_cast<int64_t>(b) * kRowsBlockBytes, 64);    \
     _tile_zero(CT);                                                          \
     _tile_dpbsud(CT, S, BT);                                                 \
     if ((b) >= 1) _tile_stored(CP, c[1 - (S)], 64);                          \
   } while (0)
+
+// The A and B tiles' bytes of a block two ahead into L1 (past the last block harmlessly: prefetches
+// never fault).
+inline void prefetch_l1(const int8_t* a, const uint8_t* w) {
+  for (int off = 0; off < kRowsBlockBytes; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(a + off), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + off), _MM_HINT_T0);
+  }
+}
 
 // One group of 16 output rows against the H activation rows of the tile from row t0.
 template <int H>
@@ -93,6 +104,7 @@ void rows_tile(const Problem& p, int64_t g, int t0, int pass, int passes) {
   const float* dt = p.xd + rows_tiled_d(nb, t0, kAmxRows);
   alignas(64) int32_t c[2][kAmxRows * 16];
   __m512 acc[H];
+#pragma GCC unroll 16
   for (int t = 0; t < H; ++t) acc[t] = _mm512_setzero_ps();
   PrefetchTurn turn(pass, passes);
   int b = 0;
@@ -113,6 +125,7 @@ void rows_tile(const Problem& p, int64_t g, int t0, int pass, int passes) {
   const int64_t col = g * kGroupRows;
   const int valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - col));
   const __m512 ws = _mm512_loadu_ps(p.wscale + col);
+#pragma GCC unroll 16
   for (int t = 0; t < H; ++t)
     store16_avx512(p, t0 + t, col, valid, _mm512_mul_ps(_mm512_sub_ps(acc[t], _mm512_set1_ps(p.xcorr[t0 + t])), ws));
 }
