@@ -4,6 +4,7 @@
 
 // cpu_features.cpp
 bool cpu_has_amx();  // also asks the kernel for AMX tile state permission
+bool cpu_has_amx_int8();  // cpu_has_amx() and the AMX-INT8 instructions
 
 // ---- qlinear.cpp (packed GGUF-block matmul; layout in qlinear.h) ----
 // y = x @ W^T (+ bias): x [M, K] float32/bfloat16 (unit column stride), packed uint8, qtype a GGML id

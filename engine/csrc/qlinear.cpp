@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cpuid.h>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -685,12 +684,6 @@ namespace qlinear {
 namespace {
 
 // ---------------------------------------------------------------- dispatch
-
-// CPUID leaf 7 EDX bit 25; the tile state itself is granted by cpu_has_amx (cpu_features.cpp).
-bool cpu_has_amx_int8() {
-  unsigned eax, ebx, ecx, edx;
-  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && ((edx >> 25) & 1) && cpu_has_amx();
-}
 
 bool isa_supported(int isa) {
   switch (isa) {

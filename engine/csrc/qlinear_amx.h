@@ -10,8 +10,9 @@
 //
 // Tiles, configured once per thread and call (rows R = min(m, 16)): tmm0/tmm1 A, tmm2/tmm3 B,
 // tmm4/tmm5 C, for even/odd blocks, so that one block's product runs while earlier blocks' sums
-// are stored and accumulated (see QL_AMX_STEP).  A last tile of h < R activation rows still loads R rows: rows
-// past h read on into the scratch (run_groups keeps slack for it) and their sums are never used.
+// are stored and accumulated (see QL_AMX_STEP).  A last tile of h < R activation rows still loads
+// R rows: rows past h read on into the scratch (run_groups keeps slack for it) and their sums are
+// never used.
 //
 // Included by qlinear.cpp only, after its helpers (Problem, PrefetchTurn, store16_avx512).
 #if CPUSERVE_HAVE_AMX
@@ -68,6 +69,15 @@ inline void prefetch_next_group(PrefetchTurn& turn, const uint8_t* next_group, i
     _mm_prefetch(reinterpret_cast<const char*>(next_group + static_cast<int64_t>(b) * kRowsBlockBytes + off), _MM_HINT_T1);
 }
 
+// The A and B tiles' bytes of a block two ahead into L1 (past the last block harmlessly: prefetches
+// never fault).
+inline void prefetch_l1(const int8_t* a, const uint8_t* w) {
+  for (int off = 0; off < kRowsBlockBytes; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(a + off), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + off), _MM_HINT_T0);
+  }
+}
+
 // Block b's product on tile set S (A tile S, B tile BT = 2 + S, C tile CT = 4 + S), after
 // accumulating block b - 2's sums from buffer S (stored one step ago: a vector load right after the
 // tile store that wrote it waits for that store to reach the cache), and before storing block
@@ -77,22 +87,14 @@ inline void prefetch_next_group(PrefetchTurn& turn, const uint8_t* next_group, i
   do {                                                                       \
     if ((b) >= 2) accumulate<H>(acc, c[S], dt + ((b) - 2) * H);              \
     prefetch_next_group(turn, wg + gstride, b);                              \
-    prefetch_l1(xt + ((b) + 2) * H * kBlock, wg + static_cast<int64_t>((b) + 2) * kRowsBlockBytes); \
+    prefetch_l1(xt + ((b) + 2) * H * kBlock,                                \
+                wg + static_cast<int64_t>((b) + 2) * kRowsBlockBytes);       \
     QL_TILE_LOAD(S, xt + (b) * H * kBlock, kBlock);                          \
     QL_TILE_LOAD(BT, wg + static_cast<int64_t>(b) * kRowsBlockBytes, 64);    \
     _tile_zero(CT);                                                          \
     _tile_dpbsud(CT, S, BT);                                                 \
     if ((b) >= 1) _tile_stored(CP, c[1 - (S)], 64);                          \
   } while (0)
-
-// The A and B tiles' bytes of a block two ahead into L1 (past the last block harmlessly: prefetches
-// never fault).
-inline void prefetch_l1(const int8_t* a, const uint8_t* w) {
-  for (int off = 0; off < kRowsBlockBytes; off += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(a + off), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + off), _MM_HINT_T0);
-  }
-}
 
 // One group of 16 output rows against the H activation rows of the tile from row t0.
 template <int H>
