@@ -52,18 +52,19 @@ def gguf_dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> to
     return torch.from_numpy(dequantize(raw.numpy(), getattr(GGMLQuantizationType, qtype)).reshape(shape).copy())
 
 
-def quantize_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x rounded the way the kernel rounds it (per 32-block, to int8 or 15 bits), as float64."""
+def quantize_activations(x: torch.Tensor, bits: int, per_row: bool = False) -> torch.Tensor:
+    """x rounded the way the kernel rounds it (per 32-block, or per whole row, to int8 or 15
+    bits), as float64."""
     m, k = x.shape
-    b = x.float().reshape(m, k // 32, 32)
+    b = x.float().reshape(m, 1 if per_row else k // 32, k if per_row else 32)
     d = b.abs().amax(-1, keepdim=True) / (127 if bits == 8 else 127 * 128)
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     q = torch.round(b * inv)  # half to even, like the kernel's conversion
     return (q.double() * d.double()).reshape(m, k)
 
 
-def check_output(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None, bits: int = 16) -> None:
-    xq = quantize_activations(x, bits)
+def check_output(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None, bits: int = 16, per_row: bool = False) -> None:
+    xq = quantize_activations(x, bits, per_row)
     ref = xq @ w.double().t()
     bound = xq.abs() @ w.double().abs().t()  # scale of the accumulated terms
     if bias is not None:
@@ -484,14 +485,33 @@ def test_rows_int8_quantization_bounds_and_layout():
 @pytest.mark.parametrize("n", [16, 40, 80])  # one group; an odd count with padding; pairs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_int8_matmul(rows_isa, m, n, dtype):
-    """The kernel multiplies int8-per-32-block activations by exactly dequantize()'s weights."""
-    k = 96
+    """The kernel multiplies its rounding of the activations (int8 per 32-block; on AMX 15 bits
+    per row) by exactly dequantize()'s weights."""
+    k = 128
     g = torch.Generator().manual_seed(m * 1000 + n)
     rw = Q.quantize_rows_int8(torch.randn(n, k, generator=g) * 0.05, rows_isa)
     bias = torch.randn(n, generator=g).to(dtype)
     x = (torch.randn(m, k, generator=g) * 3).to(dtype)
-    check_output(rw(x), x, rw.dequantize(), bits=8)
-    check_output(rw(x, bias), x, rw.dequantize(), bias, bits=8)
+    amx = rows_isa == "amx-int8"
+    check_output(rw(x), x, rw.dequantize(), bits=16 if amx else 8, per_row=amx)
+    check_output(rw(x, bias), x, rw.dequantize(), bias, bits=16 if amx else 8, per_row=amx)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 33])
+def test_rows_int8_scalar_reference_of_row_activations(m):
+    """The scalar path also runs the AMX kernel's arithmetic (act_bits=16: each row to 15 bits),
+    on every host, so that AMX's results have a portable reference (test below)."""
+    k, n = 192, 40
+    g = torch.Generator().manual_seed(m)
+    rw = Q.quantize_rows_int8(torch.randn(n, k, generator=g) * 0.05)
+    ref = Q.RowInt8Weight(rw.data, rw.scales, rw.shape, "scalar", act_bits=16)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, :64] *= 50  # one row's outliers set that whole row's step
+    check_output(ref(x, bias), x, rw.dequantize(), bias, bits=16, per_row=True)
+    narrow = Q.quantize_rows_int8(torch.randn(n, 96, generator=g))  # 96 = one and a half 64-chunks
+    with pytest.raises(RuntimeError, match="divisible by 64"):
+        Q.RowInt8Weight(narrow.data, narrow.scales, narrow.shape, "scalar", act_bits=16)(x[:, :96])
 
 
 def test_rows_int8_paths_agree_and_take_views():
@@ -507,23 +527,40 @@ def test_rows_int8_paths_agree_and_take_views():
     torch.testing.assert_close(y, fast(x.contiguous()), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("k", [32, 64, 576, 1536])  # 1, 2, 18 and 48 blocks: odd and even counts
-def test_rows_int8_amx_gives_the_avx512_bits(k):
-    """The AMX tiles compute the AVX-512 kernel's integer sums and the same float steps in the same
-    order, so a model's outputs do not depend on which of the two a host has: every batch size
-    through full 16-row tiles and every tail, bf16 and float32, with bias."""
+@pytest.mark.parametrize("k", [64, 576, 1536])  # 1, 9 and 24 chunks of 64
+@pytest.mark.parametrize("n", [72, 576])  # an odd group count (a lone last group) with padding; pairs
+def test_rows_int8_amx_gives_the_scalar_bits(k, n):
+    """The AMX tiles compute the scalar reference's integer sums (act_bits=16) and the same float
+    steps: every batch size through full 16-row tiles and every tail, bf16 and float32, with bias,
+    rows of different scales; and 8-bit activations are refused rather than run differently."""
     if "amx-int8" not in Q.rows_isas():
         pytest.skip("amx-int8 not supported on this CPU")
-    g = torch.Generator().manual_seed(k)
-    w = torch.randn(72, k, generator=g) * 0.05
-    amx, vnni = Q.quantize_rows_int8(w, "amx-int8"), Q.quantize_rows_int8(w, "avx512-vnni")
-    bias = torch.randn(72, generator=g)
+    g = torch.Generator().manual_seed(k + n)
+    amx = Q.quantize_rows_int8(torch.randn(n, k, generator=g) * 0.05, "amx-int8")
+    ref = Q.RowInt8Weight(amx.data, amx.scales, amx.shape, "scalar", act_bits=16)
+    bias = torch.randn(n, generator=g)
     for m in list(range(1, 34)) + [47, 64, 200]:
-        x = torch.randn(m, k, generator=g) * 2
+        x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]
         for dtype in (torch.float32, torch.bfloat16):
             xd, bd = x.to(dtype), bias.to(dtype)
-            torch.testing.assert_close(amx(xd, bd), vnni(xd, bd), atol=0, rtol=0)
-        torch.testing.assert_close(amx(x, float32_out=True), vnni(x, float32_out=True), atol=0, rtol=0)
+            torch.testing.assert_close(amx(xd, bd), ref(xd, bd), atol=0, rtol=0)
+        torch.testing.assert_close(amx(x, float32_out=True), ref(x, float32_out=True), atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="amx-int8 takes 16-bit"):
+        Q.RowInt8Weight(amx.data, amx.scales, amx.shape, "amx-int8", act_bits=8)(torch.randn(2, k))
+
+
+def test_rows_int8_best_path_serves_widths_amx_cannot():
+    """AMX multiplies 64-k chunks: a width of 32 * odd goes to the AVX-512 kernel on the default
+    path (same bits as asking for it), and asking for AMX by name says why it cannot."""
+    if "amx-int8" not in Q.rows_isas():
+        pytest.skip("amx-int8 not supported on this CPU")
+    g = torch.Generator().manual_seed(5)
+    rw = Q.quantize_rows_int8(torch.randn(48, 96, generator=g) * 0.05)
+    x = torch.randn(20, 96, generator=g)
+    vnni = Q.RowInt8Weight(rw.data, rw.scales, rw.shape, "avx512-vnni")
+    torch.testing.assert_close(rw(x), vnni(x), atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="divisible by 64"):
+        Q.RowInt8Weight(rw.data, rw.scales, rw.shape, "amx-int8")(x)
 
 
 def test_block_kernel_refuses_the_amx_path():

@@ -14,11 +14,13 @@ bool cpu_has_amx_int8();  // cpu_has_amx() and the AMX-INT8 instructions
 torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n,
                               int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits,
                               bool out_float32 = false);
-// Row-scaled int8 weights (layout in qlinear.h; scales float32 [groups * 16]), int8 activations;
-// isa: -1 best, 0 scalar, 3 avx512-vnni (the only two paths); out_float32 as above.
+// Row-scaled int8 weights (layout in qlinear.h; scales float32 [groups * 16]); isa: -1 best,
+// 0 scalar, 3 avx512-vnni, 4 amx-int8; out_float32 as above.  act_bits: 8 = each 32-block of an
+// activation row rounded to int8 (avx512-vnni), 16 = each whole row rounded to 15 bits (amx-int8),
+// 0 = the path's own; the scalar path runs either.
 torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                                    int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
-                                   bool out_float32 = false);
+                                   bool out_float32 = false, int64_t act_bits = 0);
 std::vector<int64_t> qlinear_isas();  // usable paths: 0 scalar, 1 avx2, 2 avx-vnni, 3 avx512-vnni
 std::vector<int64_t> qlinear_rows_isas();  // usable row-int8 paths, best last: 0 scalar, 3 avx512-vnni, 4 amx-int8
 int64_t qlinear_best_isa();

@@ -4,7 +4,8 @@
 // (and its block sum, for Q4_1's offset and Q8_0's unsigned shift), then weight and activation
 // quants meet in integer dot products (VNNI `vpdpbusd`, or AVX2 `vpmaddubsw`).  Decode is
 // memory-bound, so the point is reading 4.5-8.5 bits per weight instead of 16; the int8 activation
-// costs a small, measured accuracy loss (see engine/layers/quant.py).
+// costs a small, measured accuracy loss (see engine/layers/quant.py).  The row-scaled int8 copies
+// on AMX round each whole activation row to 15 bits instead (qlinear_amx.h says why).
 //
 // One build runs anywhere: every path carries a GCC `target` attribute and the best one is picked
 // at run time; the scalar path is the portable reference.  Work splits over groups of 16 output
@@ -76,7 +77,11 @@ struct Problem {
   // 128 * sum_b xs (what the weights' +128 offset adds to each dot product, in output units).
   const float* wscale = nullptr;
   const float* xcorr = nullptr;
-  int rows_tile = 0;  // activation rows per tile of xq / xd (rows_tiled_q below)
+  // Row-scaled int8 weights on the AMX kernel (act_bits 16 of qlinear_rows_forward): each
+  // activation row is rounded to 15 bits with one scale for the whole row, so that the tiles sum
+  // a whole row's products in int32 (no per-block float work).  xq in the layout of rows16_q below;
+  // xd[r] the row's scale; xsum[2r], xsum[2r + 1] the row's high and low digit sums.
+  bool act_rows16 = false;
 };
 
 // Which blocks of a weight group this pass over it prefetches ahead: the kernels pass over a group
@@ -121,19 +126,27 @@ struct QuantRow {
   int d_stride;
 };
 
-// The row-scaled kernels take activations in tiles of `tile` rows (the kernel's row tile: 6 for
-// AVX-512, 16 for AMX): tile T holds rows tile * T onwards, h of them (tile, or fewer in the last
-// tile), block by block, each block the h rows' 32 int8 back to back; the scales likewise
-// [T][block][h].  A tile's activations then sit behind one pointer with constant offsets: with a
+// The AVX-512 row-scaled kernel takes 8-bit activations in tiles of kRowsTile rows: tile T holds
+// rows kRowsTile * T onwards, h of them (kRowsTile, or fewer in the last tile), block by block,
+// each block the h rows' 32 int8 back to back; the scales likewise [T][block][h].  A tile's activations then sit behind one pointer with constant offsets: with a
 // row stride, six row pointers and their per-block address arithmetic spilled general registers in
 // the AVX-512 block loop (one thread, 512 rows: gate_up 398-419 -> 418-434 GMAC/s, qkv 395-403 ->
-// 408-415); for AMX a block of a tile is one A tile (h rows of 32 bytes, stride 32).
+// 408-415).
 constexpr int kRowsTile = 6;
-constexpr int kAmxRows = 16;
 
-inline int rows_tile_height(int m, int r, int tile) { return std::min(tile, m - r / tile * tile); }
-inline int64_t rows_tiled_q(int64_t k, int r, int tile) { return r / tile * tile * k + r % tile * kBlock; }
-inline int64_t rows_tiled_d(int nb, int r, int tile) { return static_cast<int64_t>(r / tile) * tile * nb + r % tile; }
+inline int rows_tile_height(int m, int r) { return std::min(kRowsTile, m - r / kRowsTile * kRowsTile); }
+inline int64_t rows_tiled_q(int64_t k, int r) { return r / kRowsTile * kRowsTile * k + r % kRowsTile * kBlock; }
+inline int64_t rows_tiled_d(int nb, int r) { return static_cast<int64_t>(r / kRowsTile) * kRowsTile * nb + r % kRowsTile; }
+
+// Per-row 15-bit activations (Problem::act_rows16), for AMX's A tiles: tiles of 16 rows (the last
+// one padded to 16 in the scratch), each a run of 64-k chunks, each chunk the 16 rows' high digits
+// (16 x 64 bytes, one A tile) then their low digits.  Row r's chunk c, digit plane d (0 high, 1
+// low) is at rows16_q(k, r) + rows16_chunk(c, d).
+constexpr int kAmxRows = 16;
+constexpr int kChunk = 64;
+inline int64_t rows16_q(int64_t k, int r) { return static_cast<int64_t>(r / kAmxRows) * kAmxRows * k * 2 + r % kAmxRows * kChunk; }
+inline int64_t rows16_chunk(int64_t c, int d) { return (2 * c + d) * kAmxRows * kChunk; }
+inline int64_t rows16_q_bytes(int64_t m, int64_t k) { return (m + kAmxRows - 1) / kAmxRows * kAmxRows * k * 2; }
 
 void quantize_row_scalar(const QuantRow& r) {
   const int nb = static_cast<int>(r.k / kBlock);
@@ -164,6 +177,32 @@ void quantize_row_scalar(const QuantRow& r) {
     r.sum[b] = sum;
     r.s[b] = d * static_cast<float>(sum);
   }
+}
+
+// One whole row rounded to 15 bits (qmax 127 * 128, the blocks' two-digit arithmetic above) with
+// one scale d, into the rows16 layout at q; sums[0], sums[1] = the high and low digit sums.  k is
+// a multiple of kChunk.
+void quantize_row16_scalar(const void* x, bool bf16, int64_t k, int8_t* q, float* d, int32_t* sums) {
+  auto at = [&](int64_t j) {
+    return bf16 ? bf16_to_float(static_cast<const uint16_t*>(x)[j]) : static_cast<const float*>(x)[j];
+  };
+  float amax = 0.f;
+  for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(at(j)));
+  const float dd = amax / kQmax16;
+  const float id = dd != 0.f ? 1.f / dd : 0.f;
+  int32_t hi_sum = 0, lo_sum = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    const int qv = static_cast<int>(std::nearbyint(at(j) * id));
+    const int hi = static_cast<int>(std::nearbyint(static_cast<float>(qv) * (1.f / 128.f)));
+    int8_t* qj = q + rows16_chunk(j / kChunk, 0) + j % kChunk;
+    qj[0] = static_cast<int8_t>(hi);
+    qj[rows16_chunk(0, 1)] = static_cast<int8_t>(qv - 128 * hi);
+    hi_sum += hi;
+    lo_sum += qv - 128 * hi;
+  }
+  *d = dd;
+  sums[0] = hi_sum;
+  sums[1] = lo_sum;
 }
 
 // ---------------------------------------------------------------- scalar path (portable reference)
@@ -228,9 +267,9 @@ void rows_group_scalar(const Problem& p, int64_t g) {
   const int rows_valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(kRowsBlockBytes);
   for (int t = 0; t < p.m; ++t) {
-    const int h = rows_tile_height(p.m, t, p.rows_tile);
-    const int8_t* xq = p.xq + rows_tiled_q(p.k, t, p.rows_tile);
-    const float* xd = p.xd + rows_tiled_d(p.nb, t, p.rows_tile);
+    const int h = rows_tile_height(p.m, t);
+    const int8_t* xq = p.xq + rows_tiled_q(p.k, t);
+    const float* xd = p.xd + rows_tiled_d(p.nb, t);
     for (int r = 0; r < rows_valid; ++r) {
       float acc = 0.f;
       for (int b = 0; b < p.nb; ++b) {
@@ -243,6 +282,29 @@ void rows_group_scalar(const Problem& p, int64_t g) {
       }
       const int64_t col = g * kGroupRows + r;
       store1_scalar(p, t, col, (acc - p.xcorr[t]) * p.wscale[col]);
+    }
+  }
+}
+
+// Row-scaled int8 weights with per-row 15-bit activations (act_rows16), scalar reference of the
+// AMX kernel: each digit plane's integer dot product with the signed weights, the two combined and
+// scaled in the same float operations.
+void rows16_group_scalar(const Problem& p, int64_t g) {
+  const int rows_valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
+  const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(kRowsBlockBytes);
+  for (int t = 0; t < p.m; ++t) {
+    const int8_t* xq = p.xq + rows16_q(p.k, t);
+    for (int r = 0; r < rows_valid; ++r) {
+      int32_t hi = 0, lo = 0;
+      for (int64_t j = 0; j < p.k; ++j) {
+        const int w = static_cast<int>(wg[j / kBlock * kRowsBlockBytes + j % kBlock / 4 * 64 + r * 4 + j % 4]) - 128;
+        const int8_t* xj = xq + rows16_chunk(j / kChunk, 0) + j % kChunk;
+        hi += w * xj[0];
+        lo += w * xj[rows16_chunk(0, 1)];
+      }
+      const int64_t col = g * kGroupRows + r;
+      const float v = static_cast<float>(hi) * 128.f + static_cast<float>(lo);
+      store1_scalar(p, t, col, v * (p.xd[t] * p.wscale[col]));
     }
   }
 }
@@ -335,6 +397,33 @@ QL_AVX512 void quantize_row_avx512(const QuantRow& r) {
     r.sum[b] = sum;
     r.s[b] = d * static_cast<float>(sum);
   }
+}
+
+// quantize_row16_scalar's results, 16 values at a time.
+QL_AVX512 void quantize_row16_avx512(const void* x, bool bf16, int64_t k, int8_t* q, float* d, int32_t* sums) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(load_x16_avx512(x, bf16, j), absmask));
+  const float dd = _mm512_reduce_max_ps(amax) / kQmax16;
+  const __m512 id = _mm512_set1_ps(dd != 0.f ? 1.f / dd : 0.f);
+  const __m512 inv128 = _mm512_set1_ps(1.f / 128.f);
+  __m512i hi_sum = _mm512_setzero_si512(), lo_sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < k / kChunk; ++c) {
+    int8_t* qc = q + rows16_chunk(c, 0);
+#pragma GCC unroll 4
+    for (int i = 0; i < kChunk / 16; ++i) {
+      const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(load_x16_avx512(x, bf16, c * kChunk + 16 * i), id));
+      const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(qv), inv128));
+      const __m512i lo = _mm512_sub_epi32(qv, _mm512_slli_epi32(hi, 7));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qc + 16 * i), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qc + rows16_chunk(0, 1) + 16 * i), _mm512_cvtepi32_epi8(lo));
+      hi_sum = _mm512_add_epi32(hi_sum, hi);
+      lo_sum = _mm512_add_epi32(lo_sum, lo);
+    }
+  }
+  *d = dd;
+  sums[0] = _mm512_reduce_add_epi32(hi_sum);
+  sums[1] = _mm512_reduce_add_epi32(lo_sum);
 }
 
 QL_AVX512 inline void store16_avx512(const Problem& p, int t, int64_t col, int valid, __m512 v) {
@@ -509,8 +598,8 @@ QL_AVX512 void rows_tile_avx512(const Problem& p, int64_t g, int t0, int pass, i
   const int nb = p.nb;
   const int64_t gstride = static_cast<int64_t>(nb) * kRowsBlockBytes;
   const uint8_t* wg = p.w + g * gstride;
-  const int8_t* xt = p.xq + rows_tiled_q(p.k, t0, kRowsTile);  // this tile (MT rows), block by block
-  const float* dt = p.xd + rows_tiled_d(nb, t0, kRowsTile);
+  const int8_t* xt = p.xq + rows_tiled_q(p.k, t0);  // this tile (MT rows), block by block
+  const float* dt = p.xd + rows_tiled_d(nb, t0);
   __m512 acc[NG][MT];
   for (int i = 0; i < NG; ++i)
     for (int t = 0; t < MT; ++t) acc[i][t] = _mm512_setzero_ps();
@@ -763,7 +852,7 @@ struct NoScope {
 template <typename Scope = NoScope, typename RangeFn>
 torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias,
                          int isa, int digits, int64_t weight_bytes, bool out_float32, Problem& p, const RangeFn& range) {
-  const bool row_corrections = p.wscale != nullptr;
+  const bool row_corrections = p.wscale != nullptr && !p.act_rows16;
   TORCH_CHECK(k % kBlock == 0, "qlinear: in_features must be a multiple of 32");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "qlinear: x must be [M, ", k, "]");
   TORCH_CHECK(x.device().is_cpu(), "qlinear: CPU tensors only");
@@ -785,8 +874,7 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
   const int nb = static_cast<int>(k / kBlock);
   static thread_local Scratch tls_scratch;
   Scratch& scratch = tls_scratch;  // the caller's buffers, also inside the parallel region
-  // (the AMX kernel's last activation tile reads up to a tile's rows of one block past the end)
-  const size_t q_bytes = static_cast<size_t>(m * k * digits + kAmxRows * kBlock);
+  const size_t q_bytes = static_cast<size_t>(p.act_rows16 ? rows16_q_bytes(m, k) : m * k * digits);
   if (scratch.q.size() < q_bytes) scratch.q.resize(q_bytes);
   if (scratch.d.size() < static_cast<size_t>(m * nb)) {
     scratch.d.resize(m * nb);
@@ -816,12 +904,20 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
   const char* xbase = static_cast<const char*>(xc.data_ptr());
   const int64_t xrow_bytes = xc.stride(0) * xc.element_size();
   auto quant_row = [&](int64_t r) {
+    if (p.act_rows16) {
+      int8_t* q = scratch.q.data() + rows16_q(k, static_cast<int>(r));
+      if (isa >= kAvx512Vnni)
+        quantize_row16_avx512(xbase + r * xrow_bytes, bf16, k, q, scratch.d.data() + r, scratch.sum.data() + 2 * r);
+      else
+        quantize_row16_scalar(xbase + r * xrow_bytes, bf16, k, q, scratch.d.data() + r, scratch.sum.data() + 2 * r);
+      return;
+    }
     QuantRow qr{xbase + r * xrow_bytes, bf16, k, digits, scratch.q.data() + r * k * digits, scratch.d.data() + r * nb,
                 scratch.s.data() + r * nb, scratch.sum.data() + r * nb, kBlock * digits, 1};
     if (row_corrections) {  // the row-scaled kernels' tiled layout
-      const int h = rows_tile_height(static_cast<int>(m), static_cast<int>(r), p.rows_tile);
-      qr.q = scratch.q.data() + rows_tiled_q(k, static_cast<int>(r), p.rows_tile);
-      qr.d = scratch.d.data() + rows_tiled_d(nb, static_cast<int>(r), p.rows_tile);
+      const int h = rows_tile_height(static_cast<int>(m), static_cast<int>(r));
+      qr.q = scratch.q.data() + rows_tiled_q(k, static_cast<int>(r));
+      qr.d = scratch.d.data() + rows_tiled_d(nb, static_cast<int>(r));
       qr.q_stride = static_cast<int64_t>(h) * kBlock;
       qr.d_stride = h;
     }
@@ -912,7 +1008,7 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
 
 torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                                    int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
-                                   bool out_float32) {
+                                   bool out_float32, int64_t act_bits) {
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == groups * (k / kBlock) * kRowsBlockBytes,
@@ -920,25 +1016,33 @@ torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& 
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == groups * kGroupRows,
               "qlinear_rows: scales must be float32 [", groups * kGroupRows, "]");
   static const int best = static_cast<int>(qlinear_rows_isas().back());
-  const int path = isa >= 0 ? static_cast<int>(isa) : best;
+  int path = isa >= 0 ? static_cast<int>(isa) : best;
+  if (isa < 0 && path == kAmxInt8 && k % kChunk != 0) path = kAvx512Vnni;  // AMX multiplies 64-k chunks
   TORCH_CHECK(path == kScalar || path == kAvx512Vnni || path == kAmxInt8,
               "qlinear_rows: paths are scalar, avx512-vnni and amx-int8");
+  const int bits = act_bits != 0 ? static_cast<int>(act_bits) : path == kAmxInt8 ? 16 : 8;
+  TORCH_CHECK(bits == 8 || bits == 16, "qlinear_rows: act_bits must be 0 (the path's own), 8 or 16");
+  TORCH_CHECK(path == kScalar || (path == kAmxInt8) == (bits == 16),
+              "qlinear_rows: amx-int8 takes 16-bit row activations, avx512-vnni 8-bit block ones");
+  TORCH_CHECK(bits == 8 || k % kChunk == 0, "qlinear_rows: 16-bit row activations need in_features divisible by 64");
   Problem p;
   p.w = packed.data_ptr<uint8_t>();
   p.qtype = 0;
   p.gbytes = kRowsBlockBytes;
   p.wscale = scales.data_ptr<float>();
-  p.rows_tile = path == kAmxInt8 ? kAmxRows : kRowsTile;
+  p.act_rows16 = bits == 16;
 #if CPUSERVE_HAVE_AMX
   if (path == kAmxInt8)
-    return run_groups<amx::Tiles>(x, n, k, bias, path, 1, packed.numel(), out_float32, p,
-                                  [&](int64_t g0, int64_t g1) { amx::rows_range(p, g0, g1); });
+    return run_groups<amx::Tiles>(x, n, k, bias, path, 2, packed.numel(), out_float32, p,
+                                  [&](int64_t g0, int64_t g1) { amx::rows16_range(p, g0, g1); });
 #endif
-  return run_groups(x, n, k, bias, path, 1, packed.numel(), out_float32, p, [&](int64_t g0, int64_t g1) {
-    if (path == kAvx512Vnni) {
-      rows_range_avx512(p, g0, g1);
-    } else {
-      for (int64_t g = g0; g < g1; ++g) rows_group_scalar(p, g);
-    }
-  });
+  return run_groups(x, n, k, bias, path, p.act_rows16 ? 2 : 1, packed.numel(), out_float32, p,
+                    [&](int64_t g0, int64_t g1) {
+                      if (path == kAvx512Vnni) {
+                        rows_range_avx512(p, g0, g1);
+                      } else {
+                        for (int64_t g = g0; g < g1; ++g)
+                          p.act_rows16 ? rows16_group_scalar(p, g) : rows_group_scalar(p, g);
+                      }
+                    });
 }

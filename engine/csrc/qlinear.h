@@ -54,9 +54,9 @@ inline float group_block_half(const uint8_t* gb, int at, int r) {
 }
 
 // Instruction-set paths, best last.  `isa` arguments take these values, or -1 for the best available.
-// kAmxInt8 (AMX int8 tiles) runs the row-scaled int8 weights only: their group-blocks are already
-// AMX's B-tile layout (8 rows of 4-byte words for 16 columns); the GGUF group-blocks, with nibbles
-// and per-block scales, are not.
+// kAmxInt8 (AMX int8 tiles) runs the row-scaled int8 weights only: two of their group-blocks in a
+// row are already AMX's B-tile layout for 64 k (16 rows of 4-byte words for 16 columns); the GGUF
+// group-blocks, with nibbles and per-block scales, are not.
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAmxInt8 = 4 };
 
 }  // namespace qlinear

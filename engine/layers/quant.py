@@ -223,18 +223,26 @@ class PackedWeight:
 
 class RowInt8Weight:
     """A weight [out_features, in_features] as int8 with one float scale per output row, for large
-    batches; ``self(x, bias)`` = F.linear with x rounded to int8 per 32-block.
+    batches; ``self(x, bias)`` = F.linear with x rounded to integers inside the kernel.
 
     Built from a :class:`PackedWeight` (:func:`rows_int8_from`), it trades the file's per-block
     scales (exact w.r.t. the weights) for per-row ones, a second rounding of each weight to 1/254
     of its row's largest magnitude, so that the kernel's inner loop is integer dot products and
     one FMA per block: 1.3-1.5x the block kernel's speed from ~16 rows up on the development host
     (``benchmarks/linear_kernels.py``), 1.6x the bytes of Q4_1.  The accuracy cost is measured with
-    the other paths (``benchmarks/quality.py``).  Kernels: AMX int8 tiles, AVX-512 VNNI and the
-    scalar reference, all giving the same bits.
+    the other paths (``benchmarks/quality.py``).
+
+    How x is rounded depends on the kernel (``act_bits``; 0 = the kernel's own): AVX-512 VNNI
+    rounds each 32-block to int8 with its own scale (8); AMX int8 tiles round each whole row to
+    15 bits (16), summing the row's products in int32 tiles with no per-block float work, ~30x
+    less rounding error on the default model's activations.  The scalar reference runs either;
+    each fast kernel gives its reference's bits.  AMX needs in_features divisible by 64; other
+    widths take the AVX-512 kernel.
     """
 
-    def __init__(self, data: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], isa: Optional[str] = None) -> None:
+    def __init__(
+        self, data: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], isa: Optional[str] = None, act_bits: int = 0
+    ) -> None:
         n, k = shape
         groups = -(-n // GROUP_ROWS)
         if data.dtype != torch.uint8 or data.numel() != groups * k * GROUP_ROWS or k % BLOCK:
@@ -246,6 +254,7 @@ class RowInt8Weight:
         self.shape = (int(n), int(k))
         self.isa = isa
         self.isa_id = isa_id(isa)
+        self.act_bits = act_bits
         mod = _native()
         self._op = getattr(mod, "qlinear_rows_forward", None) if mod is not None else None
         if self._op is None:
@@ -262,9 +271,9 @@ class RowInt8Weight:
             return self(x.reshape(-1, x.shape[-1]), bias, float32_out).view(*lead, self.shape[0])
         if x.dtype not in (torch.bfloat16, torch.float32):
             b = None if bias is None else bias.float()
-            y = self._op(x.float(), self.data, self.scales, self.shape[0], self.shape[1], b, self.isa_id)
+            y = self._op(x.float(), self.data, self.scales, self.shape[0], self.shape[1], b, self.isa_id, False, self.act_bits)
             return y if float32_out else y.to(x.dtype)
-        return self._op(x, self.data, self.scales, self.shape[0], self.shape[1], bias, self.isa_id, float32_out)
+        return self._op(x, self.data, self.scales, self.shape[0], self.shape[1], bias, self.isa_id, float32_out, self.act_bits)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out_features, in_features]: exactly the weights the kernel multiplies."""
