@@ -128,10 +128,10 @@ struct QuantRow {
 
 // The AVX-512 row-scaled kernel takes 8-bit activations in tiles of kRowsTile rows: tile T holds
 // rows kRowsTile * T onwards, h of them (kRowsTile, or fewer in the last tile), block by block,
-// each block the h rows' 32 int8 back to back; the scales likewise [T][block][h].  A tile's activations then sit behind one pointer with constant offsets: with a
-// row stride, six row pointers and their per-block address arithmetic spilled general registers in
-// the AVX-512 block loop (one thread, 512 rows: gate_up 398-419 -> 418-434 GMAC/s, qkv 395-403 ->
-// 408-415).
+// each block the h rows' 32 int8 back to back; the scales likewise [T][block][h].  A tile's
+// activations then sit behind one pointer with constant offsets: with a row stride, six row
+// pointers and their per-block address arithmetic spilled general registers in the AVX-512 block
+// loop (one thread, 512 rows: gate_up 398-419 -> 418-434 GMAC/s, qkv 395-403 -> 408-415).
 constexpr int kRowsTile = 6;
 
 inline int rows_tile_height(int m, int r) { return std::min(kRowsTile, m - r / kRowsTile * kRowsTile); }
