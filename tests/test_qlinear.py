@@ -549,17 +549,19 @@ def test_rows_int8_amx_gives_the_scalar_bits(k, n):
         Q.RowInt8Weight(amx.data, amx.scales, amx.shape, "amx-int8", act_bits=8)(torch.randn(2, k))
 
 
-def test_rows_int8_best_path_serves_widths_amx_cannot():
-    """AMX multiplies 64-k chunks: a width of 32 * odd goes to the AVX-512 kernel on the default
-    path (same bits as asking for it), and asking for AMX by name says why it cannot."""
+@pytest.mark.parametrize("k", [96, 65536 + 64])
+def test_rows_int8_best_path_serves_widths_amx_cannot(k):
+    """AMX multiplies 64-k chunks and sums whole rows in int32: a width of 32 * odd, or one past
+    65536, goes to the AVX-512 kernel on the default path (same bits as asking for it), and asking
+    for AMX by name says why it cannot."""
     if "amx-int8" not in Q.rows_isas():
         pytest.skip("amx-int8 not supported on this CPU")
     g = torch.Generator().manual_seed(5)
-    rw = Q.quantize_rows_int8(torch.randn(48, 96, generator=g) * 0.05)
-    x = torch.randn(20, 96, generator=g)
+    rw = Q.quantize_rows_int8(torch.randn(48, k, generator=g) * 0.05)
+    x = torch.randn(20, k, generator=g)
     vnni = Q.RowInt8Weight(rw.data, rw.scales, rw.shape, "avx512-vnni")
     torch.testing.assert_close(rw(x), vnni(x), atol=0, rtol=0)
-    with pytest.raises(RuntimeError, match="divisible by 64"):
+    with pytest.raises(RuntimeError, match="divisible by 64 and at most 65536"):
         Q.RowInt8Weight(rw.data, rw.scales, rw.shape, "amx-int8")(x)
 
 

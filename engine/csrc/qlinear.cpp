@@ -1017,14 +1017,17 @@ torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& 
               "qlinear_rows: scales must be float32 [", groups * kGroupRows, "]");
   static const int best = static_cast<int>(qlinear_rows_isas().back());
   int path = isa >= 0 ? static_cast<int>(isa) : best;
-  if (isa < 0 && path == kAmxInt8 && k % kChunk != 0) path = kAvx512Vnni;  // AMX multiplies 64-k chunks
+  // AMX multiplies 64-k chunks and sums a row's digit products in int32: |127 * 255 * k| < 2^31
+  constexpr int64_t kRows16MaxK = 65536;
+  if (isa < 0 && path == kAmxInt8 && (k % kChunk != 0 || k > kRows16MaxK)) path = kAvx512Vnni;
   TORCH_CHECK(path == kScalar || path == kAvx512Vnni || path == kAmxInt8,
               "qlinear_rows: paths are scalar, avx512-vnni and amx-int8");
   const int bits = act_bits != 0 ? static_cast<int>(act_bits) : path == kAmxInt8 ? 16 : 8;
   TORCH_CHECK(bits == 8 || bits == 16, "qlinear_rows: act_bits must be 0 (the path's own), 8 or 16");
   TORCH_CHECK(path == kScalar || (path == kAmxInt8) == (bits == 16),
               "qlinear_rows: amx-int8 takes 16-bit row activations, avx512-vnni 8-bit block ones");
-  TORCH_CHECK(bits == 8 || k % kChunk == 0, "qlinear_rows: 16-bit row activations need in_features divisible by 64");
+  TORCH_CHECK(bits == 8 || (k % kChunk == 0 && k <= kRows16MaxK),
+              "qlinear_rows: 16-bit row activations need in_features divisible by 64 and at most ", kRows16MaxK);
   Problem p;
   p.w = packed.data_ptr<uint8_t>();
   p.qtype = 0;

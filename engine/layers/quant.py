@@ -236,8 +236,8 @@ class RowInt8Weight:
     rounds each 32-block to int8 with its own scale (8); AMX int8 tiles round each whole row to
     15 bits (16), summing the row's products in int32 tiles with no per-block float work, ~30x
     less rounding error on the default model's activations.  The scalar reference runs either;
-    each fast kernel gives its reference's bits.  AMX needs in_features divisible by 64; other
-    widths take the AVX-512 kernel.
+    each fast kernel gives its reference's bits.  AMX needs in_features divisible by 64 and at
+    most 65536 (int32 sums); other widths take the AVX-512 kernel.
     """
 
     def __init__(
