@@ -111,6 +111,10 @@ class PrefetchTurn {
 // [-127, 127] and b in [-64, 64], both int8 planes; error 1/32512 of the block's amax (vs 1/254).
 constexpr float kQmax8 = 127.f, kQmax16 = 127.f * 128.f;
 
+// The high base-128 digit of a 15-bit q (the low one is q - 128 * high), every two-digit
+// quantizer's rule.
+inline int high_digit(int q) { return static_cast<int>(std::nearbyint(static_cast<float>(q) * (1.f / 128.f))); }
+
 // Where one row's blocks go: block b's digits at q + b * q_stride, its scale at d[b * d_stride];
 // digit sums s and sum are per row, contiguous.
 struct QuantRow {
@@ -145,7 +149,8 @@ inline int64_t rows_tiled_d(int nb, int r) { return static_cast<int64_t>(r / kRo
 constexpr int kAmxRows = 16;
 constexpr int kChunk = 64;
 inline int64_t rows16_q(int64_t k, int r) { return static_cast<int64_t>(r / kAmxRows) * kAmxRows * k * 2 + r % kAmxRows * kChunk; }
-inline int64_t rows16_chunk(int64_t c, int d) { return (2 * c + d) * kAmxRows * kChunk; }
+constexpr int64_t kRows16Low = kAmxRows * kChunk;  // a chunk's low digits, after its high ones
+inline int64_t rows16_chunk(int64_t c, int d) { return (2 * c + d) * kRows16Low; }
 inline int64_t rows16_q_bytes(int64_t m, int64_t k) { return (m + kAmxRows - 1) / kAmxRows * kAmxRows * k * 2; }
 
 void quantize_row_scalar(const QuantRow& r) {
@@ -165,7 +170,7 @@ void quantize_row_scalar(const QuantRow& r) {
     for (int i = 0; i < kBlock; ++i) {
       const int q = static_cast<int>(std::nearbyint(v[i] * id));
       if (r.digits == 2) {
-        const int hi = static_cast<int>(std::nearbyint(static_cast<float>(q) * (1.f / 128.f)));
+        const int hi = high_digit(q);
         qb[i] = static_cast<int8_t>(hi);
         qb[kBlock + i] = static_cast<int8_t>(q - 128 * hi);
       } else {
@@ -193,10 +198,10 @@ void quantize_row16_scalar(const void* x, bool bf16, int64_t k, int8_t* q, float
   int32_t hi_sum = 0, lo_sum = 0;
   for (int64_t j = 0; j < k; ++j) {
     const int qv = static_cast<int>(std::nearbyint(at(j) * id));
-    const int hi = static_cast<int>(std::nearbyint(static_cast<float>(qv) * (1.f / 128.f)));
+    const int hi = high_digit(qv);
     int8_t* qj = q + rows16_chunk(j / kChunk, 0) + j % kChunk;
     qj[0] = static_cast<int8_t>(hi);
-    qj[rows16_chunk(0, 1)] = static_cast<int8_t>(qv - 128 * hi);
+    qj[kRows16Low] = static_cast<int8_t>(qv - 128 * hi);
     hi_sum += hi;
     lo_sum += qv - 128 * hi;
   }
@@ -300,7 +305,7 @@ void rows16_group_scalar(const Problem& p, int64_t g) {
         const int w = static_cast<int>(wg[j / kBlock * kRowsBlockBytes + j % kBlock / 4 * 64 + r * 4 + j % 4]) - 128;
         const int8_t* xj = xq + rows16_chunk(j / kChunk, 0) + j % kChunk;
         hi += w * xj[0];
-        lo += w * xj[rows16_chunk(0, 1)];
+        lo += w * xj[kRows16Low];
       }
       const int64_t col = g * kGroupRows + r;
       const float v = static_cast<float>(hi) * 128.f + static_cast<float>(lo);
@@ -321,6 +326,11 @@ QL_AVX512 inline __m512 load_x16_avx512(const void* x, bool bf16, int64_t i) {
   return _mm512_loadu_ps(static_cast<const float*>(x) + i);
 }
 
+// high_digit, 16 lanes at a time.
+QL_AVX512 inline __m512i high_digit_avx512(__m512i q) {
+  return _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(1.f / 128.f)));
+}
+
 // Block b's int8 digits (one plane, or two for 16-bit activations) from its scale's inverse;
 // returns the digits (q0 + q1 lanes), whose sum is the block's digit sum.
 QL_AVX512 inline __m512i quantize_block_avx512(const QuantRow& r, int b, __m512 v0, __m512 v1, float id) {
@@ -329,9 +339,7 @@ QL_AVX512 inline __m512i quantize_block_avx512(const QuantRow& r, int b, __m512 
   const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
   int8_t* qb = r.q + b * r.q_stride;
   if (r.digits == 2) {
-    const __m512 inv128 = _mm512_set1_ps(1.f / 128.f);
-    const __m512i h0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), inv128));
-    const __m512i h1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(q1), inv128));
+    const __m512i h0 = high_digit_avx512(q0), h1 = high_digit_avx512(q1);
     const __m512i l0 = _mm512_sub_epi32(q0, _mm512_slli_epi32(h0, 7));
     const __m512i l1 = _mm512_sub_epi32(q1, _mm512_slli_epi32(h1, 7));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(h0));
@@ -406,17 +414,16 @@ QL_AVX512 void quantize_row16_avx512(const void* x, bool bf16, int64_t k, int8_t
   for (int64_t j = 0; j < k; j += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(load_x16_avx512(x, bf16, j), absmask));
   const float dd = _mm512_reduce_max_ps(amax) / kQmax16;
   const __m512 id = _mm512_set1_ps(dd != 0.f ? 1.f / dd : 0.f);
-  const __m512 inv128 = _mm512_set1_ps(1.f / 128.f);
   __m512i hi_sum = _mm512_setzero_si512(), lo_sum = _mm512_setzero_si512();
   for (int64_t c = 0; c < k / kChunk; ++c) {
     int8_t* qc = q + rows16_chunk(c, 0);
 #pragma GCC unroll 4
     for (int i = 0; i < kChunk / 16; ++i) {
       const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(load_x16_avx512(x, bf16, c * kChunk + 16 * i), id));
-      const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(qv), inv128));
+      const __m512i hi = high_digit_avx512(qv);
       const __m512i lo = _mm512_sub_epi32(qv, _mm512_slli_epi32(hi, 7));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qc + 16 * i), _mm512_cvtepi32_epi8(hi));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qc + rows16_chunk(0, 1) + 16 * i), _mm512_cvtepi32_epi8(lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qc + kRows16Low + 16 * i), _mm512_cvtepi32_epi8(lo));
       hi_sum = _mm512_add_epi32(hi_sum, hi);
       lo_sum = _mm512_add_epi32(lo_sum, lo);
     }
