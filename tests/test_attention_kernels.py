@@ -200,7 +200,8 @@ def test_gqa_group_sizes(isa, gqa, head_size):
 @pytest.mark.parametrize("gqa", [1, 3, 8, 20])
 def test_amx_tile_code_emulated(gqa, kv_cache_dtype):
     """The AMX tile kernels' bookkeeping (shapes, strides, VNNI layouts, partial row tiles)
-    on emulated tiles: decode groups of 1-20 rows, prefill tiles of up to 64 rows."""
+    on emulated tiles: decode groups of 1-20 rows, prompt units of up to 180 rows (9 tokens x 20
+    query heads per kv head; the AMX path takes units of up to 192 rows)."""
     _need("amx_emu")
     cache_dtype = QUANT.get(kv_cache_dtype, torch.bfloat16)
     k_scale, v_scale = (0.7, 1.3) if kv_cache_dtype in FP8 else (1.0, 1.0)

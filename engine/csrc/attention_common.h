@@ -4,7 +4,7 @@
 // sits in functions with their own GCC target, called once per 32-key tile.
 //
 // Algorithm (flash attention over the paged cache):
-//   a work unit = one request, one kv head, up to RMAX query rows (tokens x the G
+//   a work unit = one request, one kv head, up to UNIT_ROWS query rows (tokens x the G
 //   query heads of that kv head, so GQA groups share every K/V load), and a key
 //   range [kv_begin, kv_end).  Keys are visited 32 at a time (KT): gathered from
 //   their blocks into a transposed K tile and a pair-interleaved V tile (the
@@ -26,7 +26,8 @@
 namespace cpuserve_attn {
 
 constexpr int KT = 32;          // keys per tile
-constexpr int RMAX = 64;        // query rows per work unit (tokens x heads of one kv group)
+constexpr int RMAX = 192;       // query rows per work unit at most (tokens x heads of one kv group)
+constexpr int UNIT_ROWS = 64;   // query rows per prompt unit (AMX: AMX_UNIT_ROWS; attention.cpp)
 // A context split across threads (flash decoding) costs a merge, a second barrier and a unit's
 // set-up, about this many key tiles of work (split_count in attention.cpp).
 constexpr int SPLIT_COST_TILES = 4;

@@ -1109,7 +1109,7 @@ static inline void qk_int8_tile(const int8_t* q, int qs, const float* qsc, const
   }
 }
 
-// Prompt units (more query rows than the decode path takes, up to RMAX) over an int8 cache.
+// Prompt units (more query rows than the decode path takes, up to UNIT_ROWS) over an int8 cache.
 // K . q as the decode path computes it (query rows rounded to int8, VNNI products with the keys
 // as stored), but each tile's keys are transposed once into scratch for all the unit's rows,
 // where F32Ops dequantised and transposed them to fp32 for FMAs with 4x fewer products per
