@@ -215,18 +215,6 @@ int amx_min_rows() {
   return v;
 }
 
-// Query rows per prompt work unit on the AMX path.  Every unit converts its keys' K and V tiles
-// (int8 or bf16 cache -> the tiles' bf16 layouts) for all of its rows, so larger units convert
-// each key fewer times; 192 rows = 64 tokens of a 3-head GQA group.  2-core Intel host (AMX),
-// int8 KV, alternating in one process, 64 -> 128 -> 192 -> 256 rows: 4 x 256 queries over 1024
-// keys 8.34 -> 7.15 -> 6.26 -> 6.32 ms a layer (and 9.62 -> 8.06 -> 6.70 -> 6.87), 1 x 256 over
-// 1024 2.76 -> 2.22 -> 1.94 -> 1.96, 2 x 256 over 512 2.45 -> 1.83 -> 1.67 -> 1.68, 1 x 128 over
-// 128 0.17 -> 0.16 -> 0.16 -> 0.17.  The vec512 prompt paths keep UNIT_ROWS: their fp32 O and S
-// rows outgrow L1 (Int8PrefillOps at 4 x 256 over 1024: 12.3 / 12.1 / 11.0 ms, 1 x 128 over 128:
-// 0.23 / 0.26 / 0.27), and they are not measured on the AVX-512 hosts without AMX that run them.
-constexpr int AMX_UNIT_ROWS = 192;
-static_assert(AMX_UNIT_ROWS <= RMAX && UNIT_ROWS <= RMAX, "scratch holds RMAX rows");
-
 // vec512 with a bf16 model: dpbf16 (Bf16DecodeOps, Bf16Ops) or FMAs on bf16 widened to fp32
 // (Bf16FmaDecodeOps; F32Ops's tiles for larger units over a bf16 cache).  Two FMAs do a dpbf16's
 // 32 multiply-adds, so FMAs win where a dpbf16 costs more than ~2 FMAs.  Chosen by timing both
@@ -419,6 +407,15 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
   p.kv_kind = kv_kind_of(kv_cache, dtype);
   p.model_bf16 = bf16;
   const int G = p.G;
+  // AMX prompt units take AMX_UNIT_ROWS query rows.  Every unit converts its keys' K and V tiles
+  // (int8 or bf16 cache -> the tiles' bf16 layouts) for all of its rows, so larger units convert
+  // each key fewer times; 192 rows = 64 tokens of a 3-head GQA group.  2-core Intel host (AMX),
+  // int8 KV, alternating in one process, 64 -> 128 -> 192 -> 256 rows: 4 x 256 queries over 1024
+  // keys 8.34 -> 7.15 -> 6.26 -> 6.32 ms a layer (and 9.62 -> 8.06 -> 6.70 -> 6.87), 1 x 256 over
+  // 1024 2.76 -> 2.22 -> 1.94 -> 1.96, 2 x 256 over 512 2.45 -> 1.83 -> 1.67 -> 1.68, 1 x 128 over
+  // 128 0.17 -> 0.16 -> 0.16 -> 0.17.  The vec512 prompt paths keep UNIT_ROWS: their fp32 O and S
+  // rows outgrow L1 (Int8PrefillOps at 4 x 256 over 1024: 12.3 / 12.1 / 11.0 ms, 1 x 128 over 128:
+  // 0.23 / 0.26 / 0.27), and they are not measured on the AVX-512 hosts without AMX that run them.
   const int unit_rows = isa == Isa::kAmx || isa == Isa::kAmxEmu ? AMX_UNIT_ROWS : UNIT_ROWS;
   const int mtok = std::max(1, unit_rows / G);
   p.rows_cap = (std::max(unit_rows, G) + 15) / 16 * 16;

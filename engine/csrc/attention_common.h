@@ -4,8 +4,9 @@
 // sits in functions with their own GCC target, called once per 32-key tile.
 //
 // Algorithm (flash attention over the paged cache):
-//   a work unit = one request, one kv head, up to UNIT_ROWS query rows (tokens x the G
-//   query heads of that kv head, so GQA groups share every K/V load), and a key
+//   a work unit = one request, one kv head, up to UNIT_ROWS (AMX: AMX_UNIT_ROWS) query
+//   rows (tokens x the G query heads of that kv head, so GQA groups share every K/V
+//   load), and a key
 //   range [kv_begin, kv_end).  Keys are visited 32 at a time (KT): gathered from
 //   their blocks into a transposed K tile and a pair-interleaved V tile (the
 //   layouts AVX-512 BF16 dot products and AMX tiles consume), scores S = Q K^T,
@@ -26,8 +27,11 @@
 namespace cpuserve_attn {
 
 constexpr int KT = 32;          // keys per tile
-constexpr int RMAX = 192;       // query rows per work unit at most (tokens x heads of one kv group)
-constexpr int UNIT_ROWS = 64;   // query rows per prompt unit (AMX: AMX_UNIT_ROWS; attention.cpp)
+// Query rows (tokens x heads of one kv group) per prompt work unit: UNIT_ROWS, and AMX_UNIT_ROWS
+// on the AMX path (why: where paged_attention picks between them, attention.cpp).
+constexpr int UNIT_ROWS = 64;
+constexpr int AMX_UNIT_ROWS = 192;
+constexpr int RMAX = std::max(UNIT_ROWS, AMX_UNIT_ROWS);  // the per-row scratch arrays' capacity
 // A context split across threads (flash decoding) costs a merge, a second barrier and a unit's
 // set-up, about this many key tiles of work (split_count in attention.cpp).
 constexpr int SPLIT_COST_TILES = 4;
