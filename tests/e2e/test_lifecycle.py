@@ -79,11 +79,14 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(small: Server) -> None:
                 reader.start()
                 small.signal(signal.SIGTERM)
                 t0 = time.monotonic()
-                # new work is turned away: the port is closed, or a request that slips in gets 503
+                # New work is turned away: a request that slips in before the port closes gets 503;
+                # after, the connection is refused; one accepted just before the port closed but
+                # not yet read when uvicorn closes its idle connections is closed unanswered (or
+                # reset).  Either way the client is told, and no work is taken on.
                 try:
                     refused = httpx.post(small.url + "/v1/completions", json={**short, "stream": False}, timeout=10)
                     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-                except httpx.ConnectError:
+                except (httpx.NetworkError, httpx.RemoteProtocolError):
                     pass
                 events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
                 reader.join(timeout=60)
