@@ -10,7 +10,8 @@ For each engine, one after the other (never two under load at once: they share t
 Engines:
   ours   ``.venv/bin/python -m service --host 127.0.0.1 --port P --served-model-name smollm2 [--ours-args]``
   llama  ``LLAMA_DIR/build/bin/llama-server -m <default GGUF> --alias smollm2 --parallel 32 -c 65536 -t 2 -tb 2
-         --cont-batching`` (built by /work/shared/peers/setup_llama_server.sh)
+         --cont-batching`` (built by /work/shared/peers/setup_llama_server.sh), plus ``--no-repack`` on CPUs
+         with AMX (see start_llama)
   vllm   ``/work/shared/peers/start_vllm_cpu.sh VLLM_DIR MODEL_DIR P`` (venv from setup_vllm_cpu.sh); MODEL_DIR is a
          Hugging Face directory converted once from the GGUF and cached under VLLM_DIR/models/ (needs
          ``accelerate`` in the Python that converts it, see ``--convert-python``).
@@ -332,8 +333,16 @@ def llama_binary(a: argparse.Namespace) -> str:
 
 
 def start_llama(a: argparse.Namespace, port: int) -> Server:
+    from engine.attention.kernels.ops import cpu_flags
+
+    # On CPUs with AMX, ggml repacks the weights for its AMX matmul, which died at the first one on
+    # the 2-core KVM Xeon hosts (SIGSEGV on ldtilecfg in ggml_backend_amx_mul_mat, during start-up's
+    # warm-up decode): llama-server never came up.  --no-repack keeps its plain CPU buffers, the path
+    # it takes on CPUs without AMX; `--llama-args --repack` turns repacking back on.
+    no_repack = ["--no-repack"] if "amx_tile" in cpu_flags() else []
     cmd = [llama_binary(a), "-m", a.gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME,
-           "--parallel", "32", "-c", "65536", "-t", "2", "-tb", "2", "--cont-batching", *shlex.split(a.llama_args)]
+           "--parallel", "32", "-c", "65536", "-t", "2", "-tb", "2", "--cont-batching", *no_repack,
+           *shlex.split(a.llama_args)]
     return launch_popen("llama", cmd, port, a.log_dir)
 
 
