@@ -377,7 +377,8 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
   const int nreq = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == nreq + 1 && block_table.size(0) >= nreq, "metadata sizes disagree");
   const bool bf16 = dtype == at::kBFloat16;
-  TORCH_CHECK(bf16 || (isa != Isa::kAmx && isa != Isa::kAmxEmu), "amx attention needs bf16");
+  const bool amx = isa == Isa::kAmx || isa == Isa::kAmxEmu;
+  TORCH_CHECK(bf16 || !amx, "amx attention needs bf16");
 
   AttnParams p;
   p.q = query.data_ptr();
@@ -416,7 +417,7 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
   // 128 0.17 -> 0.16 -> 0.16 -> 0.17.  The vec512 prompt paths keep UNIT_ROWS: their fp32 O and S
   // rows outgrow L1 (Int8PrefillOps at 4 x 256 over 1024: 12.3 / 12.1 / 11.0 ms, 1 x 128 over 128:
   // 0.23 / 0.26 / 0.27), and they are not measured on the AVX-512 hosts without AMX that run them.
-  const int unit_rows = isa == Isa::kAmx || isa == Isa::kAmxEmu ? AMX_UNIT_ROWS : UNIT_ROWS;
+  const int unit_rows = amx ? AMX_UNIT_ROWS : UNIT_ROWS;
   const int mtok = std::max(1, unit_rows / G);
   p.rows_cap = (std::max(unit_rows, G) + 15) / 16 * 16;
 

@@ -6,10 +6,9 @@
 // Algorithm (flash attention over the paged cache):
 //   a work unit = one request, one kv head, up to UNIT_ROWS (AMX: AMX_UNIT_ROWS) query
 //   rows (tokens x the G query heads of that kv head, so GQA groups share every K/V
-//   load), and a key
-//   range [kv_begin, kv_end).  Keys are visited 32 at a time (KT): gathered from
-//   their blocks into a transposed K tile and a pair-interleaved V tile (the
-//   layouts AVX-512 BF16 dot products and AMX tiles consume), scores S = Q K^T,
+//   load), and a key range [kv_begin, kv_end).  Keys are visited 32 at a time (KT):
+//   gathered from their blocks into a transposed K tile and a pair-interleaved V tile
+//   (the layouts AVX-512 BF16 dot products and AMX tiles consume), scores S = Q K^T,
 //   online softmax (running max m, sum l, rescale alpha), O = O * alpha + P V.
 //   Long contexts with few units are split across threads (flash decoding); the
 //   splits' (m, l, O) are merged afterwards.
