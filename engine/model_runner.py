@@ -145,9 +145,11 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows = self._prepare(out)
         t1 = time.perf_counter()
         ctx = ForwardContext(meta)
+        # When every row needs logits (decode-only steps) the last layer is not pruned and nothing gathered.
+        out_rows = None if len(logit_rows) == input_ids.shape[0] else torch.tensor(logit_rows, dtype=torch.long)
         with set_forward_context(ctx):
-            hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+            hidden = self.model(input_ids, positions, out_rows)
+            logits = self.model.compute_logits(hidden) if logit_rows else None
         t2 = time.perf_counter()
         result = self._sample(out, logits, logit_rows, meta)
         t3 = time.perf_counter()

@@ -228,6 +228,38 @@ def test_native_packed_layers_match_the_modular_path(loaded, dtype):
     assert all(len(v) == 8 for v in native.values()) and len(native) == len(prompts)
 
 
+def test_last_layer_runs_only_the_rows_that_need_logits(loaded):
+    """A prompt chunk needs every layer's K/V for the tokens after it but logits from at most its
+    last token: given the rows it wants, the model's last layer runs its o projection and MLP on
+    those alone, and given none it stops after its attention.  The rows asked for come back as the
+    full forward computes them, in the order asked, and every layer's cache holds the same K/V
+    either way."""
+    from engine.forward_context import ForwardContext, set_forward_context
+
+    engine = make_engine(loaded, prefix=False)
+    engine.add_request("p", list(range(1000, 1040)), GREEDY)
+    ids, positions, meta, _ = engine.runner._prepare(engine.scheduler.schedule())
+    model = engine.runner.model
+    caches = [layer.kv_cache for layer in model.attention_layers()]
+
+    def forward(out_rows):
+        for c in caches:
+            c.zero_()
+        with torch.inference_mode(), set_forward_context(ForwardContext(meta)):
+            hidden = model(ids, positions, out_rows)
+        return hidden, [c.clone() for c in caches]
+
+    full, full_caches = forward(None)
+    assert full.shape[0] == 40 and all(torch.count_nonzero(c) > 0 for c in full_caches)
+    rows = torch.tensor([39, 5, 17])
+    some, some_caches = forward(rows)
+    torch.testing.assert_close(some, full[rows], rtol=1e-5, atol=1e-5)
+    none, none_caches = forward(torch.tensor([], dtype=torch.long))
+    assert none.shape == (0, full.shape[1])
+    for a, b, c in zip(full_caches, some_caches, none_caches):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_kv_cache_auto_is_int8_where_decode_multiplies_it_as_int8(loaded):
     """``auto`` stores int8 for bfloat16 runs on CPUs whose decode attention multiplies int8 rows
     directly (AVX-512 VNNI), else the run's dtype; int8 rows take 136 bytes against bf16's 256, so
