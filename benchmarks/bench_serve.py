@@ -201,6 +201,9 @@ class RequestOutput:
     output_tokens: int = 0
     output_tokens_from_usage: bool = False
     ttft: float = 0.0  # s, to first non-empty text chunk
+    # Finished with tokens (usage) but no text at all: every token was a special token, which
+    # detokenizes to nothing (ignore_eos runs).  Its tokens count; it has no TTFT, TPOT or ITL.
+    textless: bool = False
     latency: float = 0.0  # s, end to end
     start: float = 0.0  # perf_counter at send
     chunk_times: list[float] = field(default_factory=list)  # arrival of each non-empty text chunk (s since start)
@@ -294,6 +297,9 @@ async def send_request(client: Any, url: str, payload: dict, headers: dict, prom
         out.output_tokens_from_usage = True
     else:
         out.output_tokens = n_choice_chunks
+    if not times and done and out.output_tokens_from_usage and out.output_tokens > 0:
+        out.textless = out.success = True
+        return out
     if not times or out.output_tokens <= 0:
         out.error = "no tokens generated" + ("" if done else " (stream ended without [DONE])")
         return out
@@ -407,13 +413,14 @@ def compute_metrics(outputs: list[RequestOutput], duration: float, cfg: BenchCon
     total_in = total_out = 0
     mismatched = 0
     for o in ok:
-        o.itl = compute_itl(o, tokenizer)
-        itls.extend(o.itl)
-        ttfts.append(o.ttft)
         e2es.append(o.latency)
-        if o.output_tokens > 1:
-            tpots.append((o.latency - o.ttft) / (o.output_tokens - 1))
         total_out += o.output_tokens
+        if not o.textless:
+            o.itl = compute_itl(o, tokenizer)
+            itls.extend(o.itl)
+            ttfts.append(o.ttft)
+            if o.output_tokens > 1:
+                tpots.append((o.latency - o.ttft) / (o.output_tokens - 1))
         total_in += o.prompt_tokens if o.prompt_tokens is not None else o.prompt_len
         if o.output_tokens != cfg.output_len:
             mismatched += 1
@@ -446,6 +453,7 @@ def compute_metrics(outputs: list[RequestOutput], duration: float, cfg: BenchCon
         "output_throughput": total_out / duration if duration > 0 else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
         "output_len_mismatch": mismatched,
+        "completed_without_text": sum(1 for o in ok if o.textless),
         "mean_server_prompt_tokens": float(np.mean(server_prompt)) if server_prompt else None,
     }
     m.update(stats("ttft_ms", ttfts))
@@ -543,6 +551,8 @@ def format_report(m: dict) -> str:
     row("Total generated tokens:", m["total_output_tokens"], "{}")
     if m.get("output_len_mismatch"):
         row("Requests with output != output-len:", m["output_len_mismatch"], "{}")
+    if m.get("completed_without_text"):
+        row("Completed with no text (no TTFT/TPOT):", m["completed_without_text"], "{}")
     if m.get("mean_server_prompt_tokens") is not None:
         row("Mean prompt tokens (server usage):", m["mean_server_prompt_tokens"])
     row("Request throughput (req/s):", m["request_throughput"])

@@ -32,11 +32,14 @@ class FakeServer:
     """Streams ``max_tokens`` tokens: first chunk after ``ttft`` s, then one chunk every ``itl`` s.
 
     ``tokens_per_chunk`` > 1 packs several tokens in a chunk; ``usage`` False omits the usage chunk;
-    ``fail_every`` = k answers every k-th request (1-based) with HTTP 500.
+    ``fail_every`` = k answers every k-th request (1-based) with HTTP 500; ``textless_every`` = k streams
+    every k-th one's tokens as text-free (all special tokens), as a server that holds empty deltas does:
+    one finishing chunk with empty text, then usage.
     """
 
-    def __init__(self, ttft=0.05, itl=0.01, tokens_per_chunk=1, usage=True, fail_every=0):
+    def __init__(self, ttft=0.05, itl=0.01, tokens_per_chunk=1, usage=True, fail_every=0, textless_every=0):
         self.ttft, self.itl, self.tpc, self.usage, self.fail_every = ttft, itl, tokens_per_chunk, usage, fail_every
+        self.textless_every = textless_every
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         server = self
@@ -77,6 +80,12 @@ class FakeServer:
                 total = int(body["max_tokens"])
                 time.sleep(server.ttft)
                 sent = 0
+                if server.textless_every and n % server.textless_every == 0:
+                    time.sleep(server.itl * (total - 1))
+                    msg = {"id": "x", "object": "text_completion", "model": body["model"],
+                           "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+                    self.wfile.write(b"data: " + json.dumps(msg).encode() + b"\n\n")
+                    sent = total
                 while sent < total:
                     k = min(server.tpc, total - sent)
                     msg = {"id": "x", "object": "text_completion", "model": body["model"],
@@ -175,6 +184,18 @@ def test_some_failed(tiny_tok):
         m = run(srv, tiny_tok, num_prompts=9, input_len=8, output_len=5, max_concurrency=1)
     assert m["completed"] == 6 and m["failed"] == 3
     assert m["total_output_tokens"] == 30
+
+
+def test_a_completion_with_no_text_counts_its_tokens_but_no_latencies(tiny_tok):
+    """128 tokens that are all special tokens stream no text: the request completed and its tokens
+    (from usage) count toward throughput, but it has no first visible token, so it stays out of
+    TTFT, TPOT and ITL instead of dropping the run's tokens as a failure."""
+    with FakeServer(ttft=0.2, itl=0.05, textless_every=2) as srv:
+        m = run(srv, tiny_tok, num_prompts=4, input_len=8, output_len=6, max_concurrency=1)
+    assert m["completed"] == 4 and m["failed"] == 0 and m["completed_without_text"] == 2
+    assert m["total_output_tokens"] == 24
+    assert 150 < m["median_ttft_ms"] < 300  # the visible requests' 0.2 s; with the text-free ones' 0.45 s end: 0.325
+    assert 40 <= m["median_tpot_ms"] < 80
 
 
 def test_multi_token_chunks_spread_itl(tiny_tok):
