@@ -88,11 +88,7 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split_with_sizes(self.qkv_sizes, dim=-1)
         q, k = apply_rope_(positions, q, k, cos_sin, self.head_dim)  # in place: q, k stay views of qkv
         out = self.attn.forward(q, k, v)
-        if out_rows is not None:
-            if out_rows.numel() == 0:
-                return x[:0]
-            out = out[out_rows]
-        return self.o_proj.forward(out)
+        return self.o_proj.forward(out if out_rows is None else out[out_rows])
 
 
 class LlamaMLP(nn.Module):
@@ -163,17 +159,12 @@ class LlamaDecoderLayer(nn.Module):
             q, k, v, out, residual = self.packed.pre_attention(x, residual, positions, cos_sin)
             self.self_attn.attn.forward(q, k, v, out)
             if out_rows is not None:
-                residual = residual[out_rows]
-                if out_rows.numel() == 0:
-                    return residual, residual
-                out = out[out_rows]
+                out, residual = out[out_rows], residual[out_rows]
             return self.packed.post_attention(out, residual), residual
         x, residual = self.input_layernorm.forward(x, residual)
         x = self.self_attn.forward(positions, x, cos_sin, out_rows)
         if out_rows is not None:
             residual = residual[out_rows]
-            if out_rows.numel() == 0:
-                return x, residual
         x, residual = self.post_attention_layernorm.forward(x, residual)
         return self.mlp.forward(x), residual
 
@@ -225,8 +216,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in body:
             x, residual = layer.forward(positions, x, residual, cos_sin)
         x, residual = last.forward(positions, x, residual, cos_sin, out_rows)
-        if x.shape[0] == 0:
-            return x
         x, _ = self.norm.forward(x, residual)
         return x
 
