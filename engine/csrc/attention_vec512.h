@@ -296,6 +296,26 @@ static inline void pv_rows_bf16(const int32_t* P, const int32_t* v, int Dp, int 
   }
 }
 
+// V tile from KT bf16 rows (null past the tile's keys: zeros), key pairs interleaved as
+// dpbf16 takes them: v[j][d] = (V[2j][d], V[2j+1][d]), [KT / 2][Dp] int32.
+static inline void interleave_v_pairs(const uint16_t* const* vrows, int D, int Dp, int32_t* v) {
+  const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                          36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  for (int j = 0; j < KT / 2; ++j) {
+    const uint16_t* a = vrows[2 * j];
+    const uint16_t* b = vrows[2 * j + 1];
+    int32_t* dst = v + j * Dp;
+    for (int d0 = 0; d0 < Dp; d0 += 32) {
+      const __mmask32 mk = mask32(D - d0);
+      const __m512i va = a ? _mm512_maskz_loadu_epi16(mk, a + d0) : _mm512_setzero_si512();
+      const __m512i vb = b ? _mm512_maskz_loadu_epi16(mk, b + d0) : _mm512_setzero_si512();
+      _mm512_store_si512(dst + d0, _mm512_permutex2var_epi16(va, idx_lo, vb));
+      _mm512_store_si512(dst + d0 + 16, _mm512_permutex2var_epi16(va, idx_hi, vb));
+    }
+  }
+}
+
 struct Bf16Ops {
   static void begin(const AttnParams&, Scratch&, int) {}
   static void end() {}
@@ -357,22 +377,7 @@ struct Bf16Ops {
         for (int j = 0; j < 16; ++j) _mm512_store_si512(kt + (c * 16 + j) * KT + h * 16, r[j]);
       }
     }
-    int32_t* v = static_cast<int32_t*>(s.v);
-    const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
-                                            36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
-    for (int j = 0; j < KT / 2; ++j) {
-      const uint16_t* a = vrows[2 * j];
-      const uint16_t* b = vrows[2 * j + 1];
-      int32_t* dst = v + j * Dp;
-      for (int d0 = 0; d0 < Dp; d0 += 32) {
-        const __mmask32 mk = mask32(D - d0);
-        const __m512i va = a ? _mm512_maskz_loadu_epi16(mk, a + d0) : _mm512_setzero_si512();
-        const __m512i vb = b ? _mm512_maskz_loadu_epi16(mk, b + d0) : _mm512_setzero_si512();
-        _mm512_store_si512(dst + d0, _mm512_permutex2var_epi16(va, idx_lo, vb));
-        _mm512_store_si512(dst + d0 + 16, _mm512_permutex2var_epi16(va, idx_hi, vb));
-      }
-    }
+    interleave_v_pairs(vrows, D, Dp, static_cast<int32_t*>(s.v));
   }
 
   __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
@@ -1113,8 +1118,12 @@ static inline void qk_int8_tile(const int8_t* q, int qs, const float* qsc, const
 // K . q as the decode path computes it (query rows rounded to int8, VNNI products with the keys
 // as stored), but each tile's keys are transposed once into scratch for all the unit's rows,
 // where F32Ops dequantised and transposed them to fp32 for FMAs with 4x fewer products per
-// instruction.  The probabilities stay fp32, against V rows dequantised to fp32 (F32Ops's
-// softmax and P . V): rounding them to u8 as well, tried, cost greedy agreement on prompts.
+// instruction.  P . V (kBf16Pv false) as F32Ops: fp32 probabilities against V rows dequantised
+// to fp32 (rounding the probabilities to u8 as well, tried, cost greedy agreement on prompts);
+// or (kBf16Pv true) as Bf16Ops: bf16 probabilities against the V rows dequantised to bf16 pairs,
+// with dpbf16 (32 products an instruction, where an FMA does 16), which is the faster where a
+// dpbf16 costs about one FMA (AMD Zen 4 / 5; bf16_with_fma in attention.cpp picks).
+template <bool kBf16Pv>
 struct Int8PrefillOps {
   static void begin(const AttnParams&, Scratch&, int) {}
   static void end() {}
@@ -1128,16 +1137,29 @@ struct Int8PrefillOps {
     gather_rows(p, bt_row, kvh, k0, n, rows);
     for (int i = n; i < KT; ++i) rows[i] = rows[0];  // keys past n: a readable row, scaled by ksc = 0 and masked
     const int D = p.D, Dp = p.Dp;
-    float* v = static_cast<float*>(s.v);
-    for (int i = 0; i < KT; ++i) {
-      float* vd = v + i * Dp;
-      if (i >= n) {
-        s.ksc[i] = 0.f;
-        for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_setzero_ps());
-        continue;
+    for (int i = 0; i < KT; ++i) s.ksc[i] = i < n ? row_k_scale(p, rows[i]) : 0.f;
+    if (kBf16Pv) {
+      const uint16_t* vrows[KT];
+      for (int i = 0; i < KT; ++i) {
+        if (i >= n) {
+          vrows[i] = nullptr;
+          continue;
+        }
+        uint16_t* vd = static_cast<uint16_t*>(s.vrow) + i * Dp;
+        dequant_row_bf16(rows[i] + D, D, Dp, p.kv_kind, row_v_scale(p, rows[i]), vd);
+        vrows[i] = vd;
       }
-      s.ksc[i] = row_k_scale(p, rows[i]);
-      dequant_row_f32(rows[i] + D, D, Dp, p.kv_kind, row_v_scale(p, rows[i]), vd);
+      interleave_v_pairs(vrows, D, Dp, static_cast<int32_t*>(s.v));
+    } else {
+      float* v = static_cast<float*>(s.v);
+      for (int i = 0; i < KT; ++i) {
+        float* vd = v + i * Dp;
+        if (i >= n) {
+          for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_setzero_ps());
+          continue;
+        }
+        dequant_row_f32(rows[i] + D, D, Dp, p.kv_kind, row_v_scale(p, rows[i]), vd);
+      }
     }
     int32_t* kt = static_cast<int32_t*>(s.kt);
     const void* const* krows = reinterpret_cast<const void* const*>(rows);
@@ -1168,8 +1190,14 @@ struct Int8PrefillOps {
       });
   }
 
-  static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) { F32Ops::softmax(p, s, R, k0, n, masked); }
-  static void pv(const AttnParams& p, Scratch& s, int R, int n) { F32Ops::pv(p, s, R, n); }
+  static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
+    if (kBf16Pv) return Bf16Ops::softmax(p, s, R, k0, n, masked);
+    F32Ops::softmax(p, s, R, k0, n, masked);
+  }
+  static void pv(const AttnParams& p, Scratch& s, int R, int n) {
+    if (kBf16Pv) return Bf16Ops::pv(p, s, R, n);
+    F32Ops::pv(p, s, R, n);
+  }
   static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) { F32Ops::store(p, s, tok, ntok, kvh, R); }
 };
 
