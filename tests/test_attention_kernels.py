@@ -238,6 +238,19 @@ def test_int8_cache_context_splits(isa, num_threads, threads):
         assert_close(got, expected, int8_products=int8_products(isa, "int8"))
 
 
+@pytest.mark.parametrize("num_threads", [2, 3])
+@pytest.mark.parametrize("isa", ["vec512", "vec256"])
+def test_many_decodes_claimed_per_request(isa, num_threads, threads):
+    """A 40-stream decode batch (and a few prompt chunks) is enough units that threads claim a
+    request's kv heads together: every unit still runs once, on every row (outputs start as NaN)."""
+    _need(isa)
+    threads(num_threads)
+    q_seq = [(1, 20 + 37 * i % 400) for i in range(40)] + [(30, 30), (9, 200)]
+    query, kv, meta = make_case(q_seq, 9, 3, 64, 16, torch.bfloat16, torch.int8, seed=40)
+    got, expected = run_both(isa, query, kv, meta, 64, "int8", 1.0, 1.0)
+    assert_close(got, expected, int8_products=int8_products(isa, "int8"))
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("block_size", [8, 48, 64])
 @pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256"])

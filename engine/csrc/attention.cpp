@@ -495,19 +495,31 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
     }
     for (int64_t m = 0; m < nm; ++m) merge_splits(p, merges[m], part);
   } else {
-    // Dynamic scheduling, one unit at a time, with each thread claiming its next unit before it
-    // runs the current one, so that it can prefetch that unit's cache lines meanwhile.
+    // Dynamic scheduling, with each thread claiming its next units before it runs the last of the
+    // current ones, so that it can prefetch that unit's cache lines meanwhile.  Units are claimed
+    // Hkv at a time when there are enough of them (at least 4 claims a thread): a request's kv
+    // heads are consecutive units (same cost, pushed head after head) whose rows lie side by side
+    // in every block, so one thread then reads each block's rows in one sweep, the next unit's
+    // lines right after the current one's.  2-core Zen 4, engine alone, 32 streams, alternating
+    // step by step with one unit a claim: attention 0.92-0.93x, forward 0.97-0.98x (four runs);
+    // 16 streams 0.98x / 0.99x, 8 streams 0.92x / 0.99x.
     std::atomic<int64_t> claimed{0};
+    const int64_t chunk = nu >= 4 * nt * p.Hkv ? p.Hkv : 1;
 #pragma omp parallel num_threads(nt)
     {
-      int64_t u = claimed.fetch_add(1, std::memory_order_relaxed);
+      int64_t c0 = claimed.fetch_add(chunk, std::memory_order_relaxed);
       bool prefetched = false;
-      while (u < nu) {
-        const int64_t next = claimed.fetch_add(1, std::memory_order_relaxed);
-        const WorkUnit& w = units[u];
-        unit_fn(isa, p, (w.t1 - w.t0) * G)(p, w, part, next < nu ? &units[next] : nullptr, prefetched);
-        u = next;
-        prefetched = true;
+      while (c0 < nu) {
+        const int64_t c1 = std::min(nu, c0 + chunk);
+        int64_t n0 = nu;
+        for (int64_t u = c0; u < c1; ++u) {
+          int64_t next = u + 1;
+          if (next == c1) next = n0 = claimed.fetch_add(chunk, std::memory_order_relaxed);
+          const WorkUnit& w = units[u];
+          unit_fn(isa, p, (w.t1 - w.t0) * G)(p, w, part, next < nu ? &units[next] : nullptr, prefetched);
+          prefetched = true;
+        }
+        c0 = n0;
       }
 #pragma omp barrier
 #pragma omp for schedule(static)
