@@ -28,7 +28,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Logprob, Request
-from engine.sampler import sample, top_logprobs
+from engine.sampler import plain_greedy, sample, top_logprobs
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -147,11 +147,19 @@ class ModelRunner:
         ctx = ForwardContext(meta)
         # When every row needs logits (decode-only steps) the last layer is not pruned and nothing gathered.
         out_rows = None if len(logit_rows) == input_ids.shape[0] else torch.tensor(logit_rows, dtype=torch.long)
+        # Every row that needs logits is a plain greedy request's: the LM head may hand back the
+        # tokens instead (Linear.argmax), without writing the logits (32 rows: 6.3 MB of float32).
+        greedy = [s.request for s in out.scheduled if s.samples]
+        fused = len(greedy) == len(logit_rows) > 0 and all(plain_greedy(r) for r in greedy)
         with set_forward_context(ctx):
             hidden = self.model(input_ids, positions, out_rows)
-            logits = self.model.compute_logits(hidden) if logit_rows else None
+            tokens = self.model.greedy_tokens(hidden) if fused else None
+            logits = self.model.compute_logits(hidden) if logit_rows and tokens is None else None
         t2 = time.perf_counter()
-        result = self._sample(out, logits, logit_rows, meta)
+        if tokens is not None:
+            result = RunnerOutput(sampled=dict(zip((r.request_id for r in greedy), tokens.tolist())))
+        else:
+            result = self._sample(out, logits, logit_rows, meta)
         t3 = time.perf_counter()
         result.timings = StepTimings(t1 - t0, t2 - t1, ctx.kv_update_s, ctx.attention_s, t3 - t2)
         return result

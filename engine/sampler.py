@@ -283,6 +283,19 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, counts: list[int]) 
     return out
 
 
+def plain_greedy(req: Request) -> bool:
+    """Whether this request's next token is the argmax of the raw logits, nothing else asked: greedy,
+    no logprobs, and nothing in :func:`sample` that changes its row first (bias, min_tokens, penalties)."""
+    p = req.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and req.num_output_tokens >= p.min_tokens
+        and not p.has_penalties
+    )
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     """logits: float32 [len(requests), vocab], one row per request that samples this step.
 

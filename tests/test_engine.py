@@ -332,3 +332,39 @@ def test_batch_layout_of_a_mixed_step():
     assert meta.block_table.tolist() == [[7, 3, 9], [4, 0, 0], [2, 5, 0], [8, 0, 0]]
     assert (meta.num_decodes, meta.max_query_len, meta.max_seq_len, meta.num_actual_tokens) == (2, 8, 38, 13)
     assert logit_rows == [0, 1, 10, 11, 12]  # the decodes sample; the chunk does not; all of p's rows
+
+
+def test_greedy_tokens_come_straight_from_the_lm_head():
+    """On the default configuration (packed weights, bf16), a step whose rows all decode plain
+    greedy asks the LM head for the tokens instead of the logits (Linear.argmax, where its batch
+    takes the row-int8 copy), and the tokens are the ones the logits give; a request that wants
+    logprobs sends its step through the logits and the sampler."""
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=256, enable_prefix_caching=False)))
+    model = engine.runner.model
+    if model.lm_head.rows_int8 is None:
+        pytest.skip("no row-int8 LM head on this configuration")
+    fused = model.greedy_tokens
+    answered = []
+
+    def counting(hidden):
+        ids = fused(hidden)
+        answered.append(ids is not None)
+        return ids
+
+    model.greedy_tokens = counting
+    tokens, _, _ = run(engine, PROMPTS)
+    assert sum(answered) >= 8  # the 16-row decode steps
+    model.greedy_tokens = lambda hidden: None  # every step through the logits
+    assert run(engine, PROMPTS)[0] == tokens
+
+    model.greedy_tokens = counting
+    answered.clear()
+    want_logprobs = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"lp{i}", p, want_logprobs if i == 0 else GREEDY)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for d in engine.step()[0]:
+            got.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert not answered  # a row wanted logprobs in every step
+    assert [got[f"lp{i}"] for i in range(len(PROMPTS))] == [tokens[str(i)] for i in range(len(PROMPTS))]

@@ -589,6 +589,61 @@ def test_rows_int8_copy_is_bit_identical_to_the_torch_definition(qtype):
     assert torch.equal(fast.data, ref.data)
 
 
+@pytest.mark.parametrize("m", [1, 6, 7, 32, 33])  # AVX-512 tiles 6 rows, AMX 16
+@pytest.mark.parametrize("n, k", [(40, 128), (4099, 64)])  # padding in the last group; many groups for both threads
+def test_rows_int8_argmax_is_the_products_first_maximum(rows_isa, m, n, k):
+    """Greedy tokens from the LM head: qlinear_rows_argmax gives torch.argmax of the product it does
+    not write, bias included, ties to the first column (equal weight rows far apart, so in
+    different threads' spans; a zero activation row makes every column tie)."""
+    g = torch.Generator().manual_seed(m * 7 + n)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[n - 2] = w[3] = w[1] * 1.5  # rows 1 and 3 / n - 2 differ; 3 and n - 2 are equal (the first wins)
+    rw = Q.quantize_rows_int8(w, rows_isa)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    x[0] = 0
+    if m > 1:
+        x[1] = (w[3] / w[3].norm()).to(torch.bfloat16) * 8  # row 3's logit leads, tied with row n - 2
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        want = rw(x, b, float32_out=True).argmax(-1)
+        got = rw.argmax(x, b)
+        assert got is not None and got.dtype == torch.long
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert int(rw.argmax(x)[0]) == 0
+    if m > 1:
+        assert int(rw.argmax(x)[1]) == 3
+
+
+def test_rows_int8_argmax_declines_nan(rows_isa):
+    """A NaN among the products (here from the bias) leaves the choice to the caller, which then
+    takes the logits and torch.argmax's rule for NaN."""
+    rw = Q.quantize_rows_int8(torch.randn(64, 64) * 0.05, rows_isa)
+    x = torch.randn(8, 64)
+    bias = torch.zeros(64)
+    assert rw.argmax(x, bias) is not None
+    bias[37] = float("nan")
+    assert bool(rw(x, bias, float32_out=True).isnan().any())
+    assert rw.argmax(x, bias) is None
+
+
+def test_linear_argmax_only_where_the_row_int8_copy_serves():
+    """Linear.argmax answers for the batches forward() sends to the row-int8 copy (the same token
+    as forward's logits), and declines the rest, which the packed blocks serve."""
+    n, k = 48, 128
+    raw = random_blocks("Q4_1", n, k)
+    lin = Linear(k, n, bias=False, dtype=torch.bfloat16)
+    lin.weight.data.copy_(gguf_dequantize(raw, "Q4_1", (n, k)))
+    pw = Q.PackedWeight(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16)
+    assert Q.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
+    for m in (1, Q.MAX_ROWS_BEFORE_INT8 + 1, lin.rows_int8_min_rows - 1, lin.rows_int8_min_rows, 64):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        got = lin.argmax(x)
+        if Q.MAX_ROWS_BEFORE_INT8 < m and m >= lin.rows_int8_min_rows:
+            torch.testing.assert_close(got, lin(x, float32_out=True).argmax(-1), atol=0, rtol=0, msg=f"{m} rows")
+        else:
+            assert got is None, f"{m} rows"
+
+
 def test_linear_routes_large_batches_to_rows_int8():
     """Small batches: the packed blocks at 16-bit activations; then the blocks with int8
     activations; from ROWS_INT8_MIN_ROWS rows (by the blocks' family) the row-int8 copy (each

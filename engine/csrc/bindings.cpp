@@ -15,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_rows_forward", &qlinear_rows_forward, "row-scaled int8 matmul (large batches)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
         py::arg("isa") = -1, py::arg("out_float32") = false, py::arg("act_bits") = 0);
+  m.def("qlinear_rows_argmax", &qlinear_rows_argmax, "greedy tokens: argmax of a row-scaled int8 matmul's rows", nogil,
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
+        py::arg("isa") = -1, py::arg("act_bits") = 0);
   m.def("qlinear_isas", &qlinear_isas, "qlinear instruction-set paths usable on this CPU");
   m.def("qlinear_best_isa", &qlinear_best_isa, "the qlinear path used by default");
   m.def("qlinear_rows_isas", &qlinear_rows_isas, "row-int8 instruction-set paths usable on this CPU, best last");

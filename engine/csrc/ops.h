@@ -21,6 +21,11 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
 torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                                    int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
                                    bool out_float32 = false, int64_t act_bits = 0);
+// argmax over columns of qlinear_rows_forward(x, ..., out_float32=true) per row (int64 [M], the
+// first maximum, as torch.argmax) without writing the product; empty if any value was NaN.
+torch::Tensor qlinear_rows_argmax(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                  int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
+                                  int64_t act_bits = 0);
 std::vector<int64_t> qlinear_isas();  // usable paths: 0 scalar, 1 avx2, 2 avx-vnni, 3 avx512-vnni
 std::vector<int64_t> qlinear_rows_isas();  // usable row-int8 paths, best last: 0 scalar, 3 avx512-vnni, 4 amx-int8
 int64_t qlinear_best_isa();

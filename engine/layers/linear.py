@@ -46,3 +46,11 @@ class Linear(nn.Module):
                 return self.packed(x, self.bias, self.large_act_bits, float32_out)
         y = F.linear(x, self.weight, self.bias)
         return y.float() if float32_out else y
+
+    def argmax(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``forward(x, float32_out=True).argmax(-1)`` where x's batch takes the row-int8 copy, whose
+        kernel keeps each row's maximum instead of writing the product; else None."""
+        m = x.shape[0]
+        if self.packed is None or self.rows_int8 is None or m <= self.packed_max_rows or m < self.rows_int8_min_rows:
+            return None
+        return self.rows_int8.argmax(x, self.bias)

@@ -275,6 +275,16 @@ class RowInt8Weight:
             return y if float32_out else y.to(x.dtype)
         return self._op(x, self.data, self.scales, self.shape[0], self.shape[1], bias, self.isa_id, float32_out, self.act_bits)
 
+    def argmax(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """``self(x, bias, float32_out=True).argmax(-1)`` (int64 [M]) without writing the product:
+        greedy tokens straight from the LM head.  None where a value was NaN (or the extension
+        predates the op): the caller then takes the logits."""
+        op = getattr(_native(), "qlinear_rows_argmax", None)
+        if op is None or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        ids = op(x, self.data, self.scales, self.shape[0], self.shape[1], bias, self.isa_id, self.act_bits)
+        return ids if ids.numel() == x.shape[0] else None
+
     def dequantize(self) -> torch.Tensor:
         """float32 [out_features, in_features]: exactly the weights the kernel multiplies."""
         n, k = self.shape

@@ -222,6 +222,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.forward(hidden, float32_out=True)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """``compute_logits(hidden).argmax(-1)`` without the logits where the LM head can fuse it, else None."""
+        return self.lm_head.argmax(hidden)
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, merging q/k/v and gate/up into one matmul each."""
         params = dict(self.named_parameters())
