@@ -40,7 +40,7 @@ class Linear(nn.Module):
         if self.packed is not None:
             if x.shape[0] <= self.packed_max_rows:
                 return self.packed(x, self.bias, float32_out=float32_out)
-            if self.rows_int8 is not None and x.shape[0] >= self.rows_int8_min_rows:
+            if self._takes_rows_int8(x.shape[0]):
                 return self.rows_int8(x, self.bias, float32_out)
             if self.large_act_bits:
                 return self.packed(x, self.bias, self.large_act_bits, float32_out)
@@ -50,7 +50,13 @@ class Linear(nn.Module):
     def argmax(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``forward(x, float32_out=True).argmax(-1)`` where x's batch takes the row-int8 copy, whose
         kernel keeps each row's maximum instead of writing the product; else None."""
-        m = x.shape[0]
-        if self.packed is None or self.rows_int8 is None or m <= self.packed_max_rows or m < self.rows_int8_min_rows:
-            return None
-        return self.rows_int8.argmax(x, self.bias)
+        return self.rows_int8.argmax(x, self.bias) if self._takes_rows_int8(x.shape[0]) else None
+
+    def _takes_rows_int8(self, m: int) -> bool:
+        """Whether forward() sends a batch of m rows to the row-int8 copy."""
+        return (
+            self.packed is not None
+            and self.rows_int8 is not None
+            and self.packed_max_rows < m
+            and m >= self.rows_int8_min_rows
+        )
