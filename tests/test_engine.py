@@ -336,13 +336,13 @@ def test_batch_layout_of_a_mixed_step():
 
 def test_greedy_tokens_come_straight_from_the_lm_head():
     """On the default configuration (packed weights, bf16), a step whose rows all decode plain
-    greedy asks the LM head for the tokens instead of the logits (Linear.argmax, where its batch
-    takes the row-int8 copy), and the tokens are the ones the logits give; a request that wants
-    logprobs sends its step through the logits and the sampler."""
+    greedy asks the LM head for the tokens instead of the logits (Linear.argmax, on the packed
+    blocks or the row-int8 copy as the batch's size routes it), and the tokens are the ones the
+    logits give; a request that wants logprobs sends its step through the logits and the sampler."""
     engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=256, enable_prefix_caching=False)))
     model = engine.runner.model
-    if model.lm_head.rows_int8 is None:
-        pytest.skip("no row-int8 LM head on this configuration")
+    if model.lm_head.packed is None:
+        pytest.skip("no packed LM head on this configuration")
     fused = model.greedy_tokens
     answered = []
 
@@ -353,7 +353,7 @@ def test_greedy_tokens_come_straight_from_the_lm_head():
 
     model.greedy_tokens = counting
     tokens, _, _ = run(engine, PROMPTS)
-    assert sum(answered) >= 8  # the 16-row decode steps
+    assert answered and all(answered)  # every step, whatever its batch size
     model.greedy_tokens = lambda hidden: None  # every step through the logits
     assert run(engine, PROMPTS)[0] == tokens
 

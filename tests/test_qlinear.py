@@ -589,6 +589,19 @@ def test_rows_int8_copy_is_bit_identical_to_the_torch_definition(qtype):
     assert torch.equal(fast.data, ref.data)
 
 
+def assert_first_maximum(product, argmax, x: torch.Tensor, bias: torch.Tensor) -> None:
+    """argmax(x, b) is product(x, b, float32_out=True).argmax(-1), without and with a bias; x's row
+    0 is zeros (every column ties: the first wins) and its row 1 leads on column 3 (tied with a
+    later column that holds the same weights)."""
+    for b in (None, bias):
+        got = argmax(x, b)
+        assert got is not None and got.dtype == torch.long
+        torch.testing.assert_close(got, product(x, b, float32_out=True).argmax(-1), atol=0, rtol=0)
+    assert int(argmax(x, None)[0]) == 0
+    if x.shape[0] > 1:
+        assert int(argmax(x, None)[1]) == 3
+
+
 @pytest.mark.parametrize("m", [1, 6, 7, 32, 33])  # AVX-512 tiles 6 rows, AMX 16
 @pytest.mark.parametrize("n, k", [(40, 128), (4099, 64)])  # padding in the last group; many groups for both threads
 def test_rows_int8_argmax_is_the_products_first_maximum(rows_isa, m, n, k):
@@ -603,15 +616,7 @@ def test_rows_int8_argmax_is_the_products_first_maximum(rows_isa, m, n, k):
     x[0] = 0
     if m > 1:
         x[1] = (w[3] / w[3].norm()).to(torch.bfloat16) * 8  # row 3's logit leads, tied with row n - 2
-    bias = torch.randn(n, generator=g)
-    for b in (None, bias):
-        want = rw(x, b, float32_out=True).argmax(-1)
-        got = rw.argmax(x, b)
-        assert got is not None and got.dtype == torch.long
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
-    assert int(rw.argmax(x)[0]) == 0
-    if m > 1:
-        assert int(rw.argmax(x)[1]) == 3
+    assert_first_maximum(rw, rw.argmax, x, torch.randn(n, generator=g))
 
 
 def test_rows_int8_argmax_declines_nan(rows_isa):
@@ -626,22 +631,42 @@ def test_rows_int8_argmax_declines_nan(rows_isa):
     assert rw.argmax(x, bias) is None
 
 
-def test_linear_argmax_only_where_the_row_int8_copy_serves():
-    """Linear.argmax answers for the batches forward() sends to the row-int8 copy (the same token
-    as forward's logits), and declines the rest, which the packed blocks serve."""
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 5])  # the AVX-512 kernel takes one row in pairs of groups, more in tiles of 4
+@pytest.mark.parametrize("n, k", [(40, 128), (4099, 64)])
+def test_packed_argmax_is_the_products_first_maximum(isa, bits, qtype, m, n, k):
+    """Greedy tokens from a small batch's LM head: qlinear_argmax gives torch.argmax of the product
+    qlinear_forward would write (float32), bias included, ties to the first column (rows 3 and
+    n - 2 hold the same blocks, so they tie and sit in different threads' spans; a zero
+    activation row makes every column tie)."""
+    raw = random_blocks(qtype, n, k, seed=m * 7 + n)
+    raw[3] = raw[n - 2] = random_blocks(qtype, 1, k, seed=1, scale=0.2)[0]  # ten times the others' scale
+    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    x[0] = 0
+    if m > 1:
+        w3 = gguf_dequantize(raw[3:4], qtype, (1, k))[0]
+        x[1] = (w3 / w3.norm()).to(torch.bfloat16) * 8  # row 3's logit leads, tied with row n - 2
+    assert_first_maximum(pw, pw.argmax, x, torch.randn(n, generator=g))
+    nan_bias = torch.zeros(n)
+    nan_bias[n // 2] = float("nan")
+    assert pw.argmax(x, nan_bias) is None  # the caller then takes the logits
+
+
+def test_linear_argmax_follows_forwards_route():
+    """Linear.argmax answers for every batch size with the token forward()'s logits give, on the
+    path forward() takes: the packed blocks (16-bit activations, then int8) or the row-int8 copy."""
     n, k = 48, 128
     raw = random_blocks("Q4_1", n, k)
     lin = Linear(k, n, bias=False, dtype=torch.bfloat16)
     lin.weight.data.copy_(gguf_dequantize(raw, "Q4_1", (n, k)))
+    assert lin.argmax(torch.randn(1, k, dtype=torch.bfloat16)) is None  # dense weights: the caller takes the logits
     pw = Q.PackedWeight(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16)
     assert Q.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
     for m in (1, Q.MAX_ROWS_BEFORE_INT8 + 1, lin.rows_int8_min_rows - 1, lin.rows_int8_min_rows, 64):
         x = torch.randn(m, k, dtype=torch.bfloat16)
-        got = lin.argmax(x)
-        if Q.MAX_ROWS_BEFORE_INT8 < m and m >= lin.rows_int8_min_rows:
-            torch.testing.assert_close(got, lin(x, float32_out=True).argmax(-1), atol=0, rtol=0, msg=f"{m} rows")
-        else:
-            assert got is None, f"{m} rows"
+        torch.testing.assert_close(lin.argmax(x), lin(x, float32_out=True).argmax(-1), atol=0, rtol=0, msg=f"{m} rows")
 
 
 def test_linear_routes_large_batches_to_rows_int8():

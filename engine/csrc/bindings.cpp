@@ -12,6 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_forward", &qlinear_forward, "packed GGUF-block matmul", nogil, py::arg("x"), py::arg("packed"),
         py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(), py::arg("isa") = -1,
         py::arg("act_bits") = 16, py::arg("out_float32") = false);
+  m.def("qlinear_argmax", &qlinear_argmax, "greedy tokens: argmax of a packed matmul's rows", nogil, py::arg("x"),
+        py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(), py::arg("isa") = -1,
+        py::arg("act_bits") = 16);
   m.def("qlinear_rows_forward", &qlinear_rows_forward, "row-scaled int8 matmul (large batches)", nogil, py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
         py::arg("isa") = -1, py::arg("out_float32") = false, py::arg("act_bits") = 0);

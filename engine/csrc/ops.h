@@ -14,6 +14,10 @@ bool cpu_has_amx_int8();  // cpu_has_amx() and the AMX-INT8 instructions
 torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n,
                               int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits,
                               bool out_float32 = false);
+// argmax over columns of qlinear_forward(x, ..., out_float32=true) per row (int64 [M], the first
+// maximum, as torch.argmax) without writing the product; empty if any value was NaN.
+torch::Tensor qlinear_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
+                             const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits);
 // Row-scaled int8 weights (layout in qlinear.h; scales float32 [groups * 16]); isa: -1 best,
 // 0 scalar, 3 avx512-vnni, 4 amx-int8; out_float32 as above.  act_bits: 8 = each 32-block of an
 // activation row rounded to int8 (avx512-vnni), 16 = each whole row rounded to 15 bits (amx-int8),

@@ -83,11 +83,11 @@ struct Problem {
   // a whole row's products in int32 (no per-block float work).  xq in the layout of rows16_q below;
   // xd[r] the row's scale; xsum[2r], xsum[2r + 1] the row's high and low digit sums.
   bool act_rows16 = false;
-  // Set for qlinear_rows_argmax: the epilogue keeps each row's maxima here instead of storing.
+  // Set for qlinear_argmax / qlinear_rows_argmax: the epilogue keeps each row's maxima here instead of storing.
   struct ArgmaxLanes* amax = nullptr;
 };
 
-// Greedy decoding's argmax, fused into the logits' epilogue (qlinear_rows_argmax): per activation
+// Greedy decoding's argmax, fused into the logits' epilogue (qlinear_argmax, qlinear_rows_argmax): per activation
 // row, 16 lanes (column modulo 16) of the largest value seen and its column, one set per thread;
 // nothing is stored.  A 32-row LM head of the default model wrote 6.3 MB of float32 logits that the
 // sampler then read back (Zen 4, 2 threads: 3.40 -> 2.81 ms with the epilogue below, plus the
@@ -479,7 +479,7 @@ QL_AVX512 inline void store16_avx512(const Problem& p, int t, int64_t col, int v
       bv = _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p.bias) + col);
     v = _mm512_add_ps(v, bv);
   }
-  if (p.amax != nullptr) {  // qlinear_rows_argmax: this row's lanes instead of a store
+  if (p.amax != nullptr) {  // qlinear_argmax / qlinear_rows_argmax: this row's lanes instead of a store
     ArgmaxLanes& a = *p.amax;
     const __m512i cols = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(col)),
                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
@@ -1059,9 +1059,12 @@ int resolve_isa(int64_t isa) { return static_cast<int>(isa < 0 ? best_isa() : is
 
 }  // namespace
 
-torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n,
-                              int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
-                              int64_t act_bits, bool out_float32) {
+namespace {
+
+// qlinear_forward, or with `argmax` qlinear_argmax.
+torch::Tensor packed_product(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
+                             const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits, bool out_float32,
+                             bool argmax) {
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "qlinear: act_bits must be 8 or 16");
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear: unsupported qtype ", qtype);
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
@@ -1088,7 +1091,21 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
                           default: group_scalar(q, g); break;
                         }
                       }
-                    });
+                    }, argmax);
+}
+
+}  // namespace
+
+torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n,
+                              int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
+                              int64_t act_bits, bool out_float32) {
+  return packed_product(x, packed, qtype, n, k, bias, isa, act_bits, out_float32, false);
+}
+
+torch::Tensor qlinear_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
+                             const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits) {
+  TORCH_CHECK(n < std::numeric_limits<int32_t>::max(), "qlinear_argmax: too many columns");
+  return packed_product(x, packed, qtype, n, k, bias, isa, act_bits, true, true);
 }
 
 namespace {

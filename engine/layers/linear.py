@@ -48,9 +48,16 @@ class Linear(nn.Module):
         return y.float() if float32_out else y
 
     def argmax(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """``forward(x, float32_out=True).argmax(-1)`` where x's batch takes the row-int8 copy, whose
-        kernel keeps each row's maximum instead of writing the product; else None."""
-        return self.rows_int8.argmax(x, self.bias) if self._takes_rows_int8(x.shape[0]) else None
+        """``forward(x, float32_out=True).argmax(-1)`` on the path forward() takes for x's batch, where
+        that is a packed kernel (which keeps each row's maximum instead of writing the product); else None."""
+        if self.packed is None:
+            return None
+        m = x.shape[0]
+        if m <= self.packed_max_rows:
+            return self.packed.argmax(x, self.bias)
+        if self._takes_rows_int8(m):
+            return self.rows_int8.argmax(x, self.bias)
+        return self.packed.argmax(x, self.bias, self.large_act_bits) if self.large_act_bits else None
 
     def _takes_rows_int8(self, m: int) -> bool:
         """Whether forward() sends a batch of m rows to the row-int8 copy."""

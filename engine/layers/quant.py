@@ -206,6 +206,17 @@ class PackedWeight:
                       None if bias is None else bias.float(), self._isa_id, bits).to(out_dtype)
         return op(x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id, bits, float32_out)
 
+    def argmax(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_bits: int = 0) -> Optional[torch.Tensor]:
+        """``self(x, bias, act_bits, float32_out=True).argmax(-1)`` (int64 [M]) without writing the
+        product: greedy tokens straight from a small batch's LM head (a decode step at batch 1 wrote
+        196 KB of float32 logits that the sampler then read back).  None where a value was NaN (or
+        there is no native op): the caller then takes the logits."""
+        op = getattr(_native(), "qlinear_argmax", None)
+        if op is None or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        ids = op(x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id, act_bits or self.act_bits)
+        return ids if ids.numel() == x.shape[0] else None
+
     def to_gguf_blocks(self) -> torch.Tensor:
         """The raw GGUF blocks, uint8 [out_features, bytes_per_row] (inverse of the packing)."""
         return unpack_blocks(self.data, self.qtype, self.shape)
