@@ -199,7 +199,9 @@ class LlamaForCausalLM(nn.Module):
         bound = sum(layer.bind_packed() for layer in self.layers)
         body = self.layers[:-1]
         if len(body) and all(layer.packed is not None for layer in body):
-            self.packed_body = [(l.packed.pre_attention, l.self_attn.attn.forward, l.packed.post_attention) for l in body]
+            self.packed_body = [
+                (layer.packed.pre_attention, layer.self_attn.attn.forward, layer.packed.post_attention) for layer in body
+            ]
             self.packed_body_max_rows = min(layer.packed_max_rows for layer in body)
         return bound
 
