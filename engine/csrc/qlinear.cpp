@@ -916,6 +916,7 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
   TORCH_CHECK(x.device().is_cpu(), "qlinear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear: x must be float32 or bfloat16");
   TORCH_CHECK(isa_supported(isa), "qlinear: instruction set path ", isa, " not supported here");
+  TORCH_CHECK(!argmax || n < std::numeric_limits<int32_t>::max(), "qlinear: argmax columns must fit int32");
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
   const torch::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t m = xc.size(0);
@@ -1104,7 +1105,6 @@ torch::Tensor qlinear_forward(const torch::Tensor& x, const torch::Tensor& packe
 
 torch::Tensor qlinear_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
                              const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits) {
-  TORCH_CHECK(n < std::numeric_limits<int32_t>::max(), "qlinear_argmax: too many columns");
   return packed_product(x, packed, qtype, n, k, bias, isa, act_bits, true, true);
 }
 
@@ -1166,6 +1166,5 @@ torch::Tensor qlinear_rows_forward(const torch::Tensor& x, const torch::Tensor& 
 torch::Tensor qlinear_rows_argmax(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                                   int64_t n, int64_t k, const c10::optional<torch::Tensor>& bias, int64_t isa,
                                   int64_t act_bits) {
-  TORCH_CHECK(n < std::numeric_limits<int32_t>::max(), "qlinear_rows_argmax: too many columns");
   return rows_product(x, packed, scales, n, k, bias, isa, true, act_bits, true);
 }

@@ -97,6 +97,17 @@ def _native() -> Optional[Any]:
     return native.module_with("qlinear_forward")
 
 
+def _native_argmax(op_name: str, x: torch.Tensor, *args: Any) -> Optional[torch.Tensor]:
+    """Each row's argmax (int64 [M]) from the named fused-argmax op of a packed or row-int8 weight;
+    None where the op is missing, x is not a bf16/float32 matrix, or a value was NaN (the op then
+    returns an empty tensor): the caller takes the logits instead."""
+    op = getattr(_native(), op_name, None)
+    if op is None or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    ids = op(x, *args)
+    return ids if ids.numel() == x.shape[0] else None
+
+
 def native_available() -> bool:
     return _native() is not None
 
@@ -211,11 +222,10 @@ class PackedWeight:
         product: greedy tokens straight from a small batch's LM head (a decode step at batch 1 wrote
         196 KB of float32 logits that the sampler then read back).  None where a value was NaN (or
         there is no native op): the caller then takes the logits."""
-        op = getattr(_native(), "qlinear_argmax", None)
-        if op is None or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
-            return None
-        ids = op(x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id, act_bits or self.act_bits)
-        return ids if ids.numel() == x.shape[0] else None
+        return _native_argmax(
+            "qlinear_argmax", x, self.data, self.qtype_id, self.shape[0], self.shape[1], bias, self._isa_id,
+            act_bits or self.act_bits,
+        )
 
     def to_gguf_blocks(self) -> torch.Tensor:
         """The raw GGUF blocks, uint8 [out_features, bytes_per_row] (inverse of the packing)."""
@@ -290,11 +300,10 @@ class RowInt8Weight:
         """``self(x, bias, float32_out=True).argmax(-1)`` (int64 [M]) without writing the product:
         greedy tokens straight from the LM head.  None where a value was NaN (or the extension
         predates the op): the caller then takes the logits."""
-        op = getattr(_native(), "qlinear_rows_argmax", None)
-        if op is None or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
-            return None
-        ids = op(x, self.data, self.scales, self.shape[0], self.shape[1], bias, self.isa_id, self.act_bits)
-        return ids if ids.numel() == x.shape[0] else None
+        return _native_argmax(
+            "qlinear_rows_argmax", x, self.data, self.scales, self.shape[0], self.shape[1], bias, self.isa_id,
+            self.act_bits,
+        )
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out_features, in_features]: exactly the weights the kernel multiplies."""
