@@ -68,11 +68,17 @@ class CacheConfig:
     # "float32": the run dtype, unrounded; "int8": one scale per token and kv head; "fp8_e4m3", "fp8_e5m2".
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # Finished requests' blocks kept as cached prefixes before the pool recycles them instead of
+    # touching more of its memory (kv_cache.BlockPool); None: 1/32 of the pool, at least one full
+    # context.  The pool's resident part then stops at the peak of live blocks plus this.
+    prefix_cache_gb: Optional[float] = None
     num_blocks: Optional[int] = None  # overrides kv_cache_gb; tests use it to force preemption
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.prefix_cache_gb is not None and self.prefix_cache_gb < 0:
+            raise ValueError(f"prefix_cache_gb must not be negative, got {self.prefix_cache_gb}")
         if self.block_size <= 0 or self.block_size % 8:
             raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
 

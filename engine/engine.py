@@ -85,7 +85,8 @@ class LLMEngine:
         self._attach_packed_weights(loaded)
         del loaded
         self.runner.allocate_kv_cache()
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        reserve = self._prefix_cache_blocks(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, reserve)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.text_states: dict[str, RequestTextState] = {}
         self._arrival_seq = itertools.count()
@@ -94,8 +95,8 @@ class LLMEngine:
         _release_freed_memory()
         self.load_time_s = time.monotonic() - t0
         logger.info(
-            "engine ready in %.1fs: %s, %d layers, dtype %s, KV cache %d blocks x %d tokens = %d tokens (%.2f GiB, %s), "
-            "attention kernels %s",
+            "engine ready in %.1fs: %s, %d layers, dtype %s, KV cache %d blocks x %d tokens = %d tokens (%.2f GiB, %s; "
+            "cached prefixes keep up to %d freed blocks), attention kernels %s",
             self.load_time_s,
             self.model_name,
             self.model_config.num_hidden_layers,
@@ -105,6 +106,7 @@ class LLMEngine:
             num_blocks * config.cache.block_size,
             num_blocks * self._block_bytes() / 2**30,
             config.cache.kv_cache_dtype,
+            reserve,
             self.runner.attention_kernels(),
         )
 
@@ -127,6 +129,13 @@ class LLMEngine:
                 f"({self.max_model_len}); raise it or lower --max-model-len"
             )
         return num
+
+    def _prefix_cache_blocks(self, num_blocks: int) -> int:
+        """Released blocks the pool keeps as cached prefixes before recycling them (see CacheConfig)."""
+        cache = self.config.cache
+        if cache.prefix_cache_gb is not None:
+            return min(num_blocks, int(cache.prefix_cache_gb * 2**30) // self._block_bytes())
+        return min(num_blocks, max(num_blocks // 32, -(-self.max_model_len // cache.block_size)))
 
     def _attach_packed_weights(self, loaded: LoadedModel) -> None:
         """Keep GGUF's low-bit blocks for small-batch matmuls where the native kernels exist.

@@ -97,6 +97,7 @@ def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentPa
         type=int,
     )
     add("--kv-cache-gb", "KV-cache size in GiB (default: a quarter of available memory, 0.5 to 8)", type=float)
+    add("--prefix-cache-gb", "memory finished requests' KV blocks may keep as cached prefixes before they are reused; the cache's resident memory stops at its live blocks plus this (default: 1/32 of --kv-cache-gb, at least one full context)", type=float)
     add("--kv-cache-dtype", "KV-cache storage type: auto is int8 (one scale per token and kv head) for bfloat16 runs with native attention kernels (AVX-512 VNNI or AVX2), else the run's dtype; int8 and fp8 take about half of bf16's memory", choices=list(KV_CACHE_DTYPES), default="auto")
     add("--block-size", "tokens per KV-cache block (a multiple of 8)", type=int, default=16)
     add("--max-queue", "most sequences (a request with n choices counts n) waiting for a batch slot; beyond it requests get 429 with Retry-After", type=int, default=1024)
@@ -122,6 +123,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         raise ValueError("--max-model-len must be at least 2")
     if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
         raise ValueError("--kv-cache-gb must be positive")
+    if args.prefix_cache_gb is not None and args.prefix_cache_gb < 0:
+        raise ValueError("--prefix-cache-gb must not be negative")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must not be negative")
     extra = {"num_threads": args.threads} if args.threads is not None else {}
@@ -131,7 +134,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         weight_quant=args.weight_quant,
         large_batch_matmul=args.large_batch_matmul,
         served_model_name=args.served_model_name,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype,
+                          prefix_cache_gb=args.prefix_cache_gb),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -85,6 +85,10 @@ class Metrics:
         self._waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled")
         self._kv_usage = gauge("kv_cache_usage_ratio", "Fraction of KV-cache blocks held by live requests (0 to 1)")
         self._kv_blocks = gauge("kv_cache_blocks_used", "KV-cache blocks held by live requests (0 when idle: none leaked)")
+        self._kv_resident = gauge(
+            "kv_cache_blocks_resident",
+            "KV-cache blocks used at least once: the cache's resident part (live blocks' peak plus the prefix-cache reserve)",
+        )
         self._healthy = gauge("engine_healthy", "1 when the engine is loaded, warmed up and running, else 0")
         self.model_name: Optional[str] = None
 
@@ -96,6 +100,7 @@ class Metrics:
         kv_usage: Callable[[], float],
         healthy: Callable[[], float],
         kv_blocks_used: Callable[[], float],
+        kv_blocks_resident: Callable[[], float],
     ) -> None:
         """Name the model and create every series (zeros included, so rate() and alerts see them)."""
         self.model_name = m = model_name
@@ -116,6 +121,7 @@ class Metrics:
         self._waiting.labels(m).set_function(num_waiting)
         self._kv_usage.labels(m).set_function(kv_usage)
         self._kv_blocks.labels(m).set_function(kv_blocks_used)
+        self._kv_resident.labels(m).set_function(kv_blocks_resident)
         self._healthy.labels(m).set_function(healthy)
 
     # --- engine thread ---------------------------------------------------------------------

@@ -93,6 +93,7 @@ class ServerState:
             num_waiting=lambda: async_engine.num_waiting,
             kv_usage=lambda: engine.kv.usage,
             kv_blocks_used=lambda: engine.kv.num_used_blocks,
+            kv_blocks_resident=lambda: engine.kv.num_resident_blocks,
             healthy=lambda: 1.0 if self.engine_alive else 0.0,
         )
         async_engine.start()

@@ -138,6 +138,24 @@ def test_n_greater_than_one_shares_prompt_blocks(loaded):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_prefix_cache_reserve_bounds_the_resident_cache(loaded):
+    """Freed blocks are reused once the prefix-cache reserve is full, so one request at a time keeps
+    the same few blocks resident; the default reserve is 1/32 of the pool, at least one context."""
+
+    def engine(**cache) -> LLMEngine:
+        cfg = EngineConfig(model="default", dtype="float32", weight_quant="none",
+                           cache=CacheConfig(num_blocks=1024, **cache), scheduler=SchedulerConfig(max_model_len=256))
+        return LLMEngine(cfg, loaded=loaded)
+
+    assert engine().kv.pool.reserve == 32  # 1024 / 32 blocks, above one 256-token context's 16
+    assert engine(prefix_cache_gb=100.0).kv.pool.reserve == 1024
+    tight = engine(prefix_cache_gb=0.0)
+    outputs = [run(tight, [p])[0]["0"] for p in PROMPTS[:6]]
+    per_request = max(-(-(len(tight.tokenizer.encode(p)) + GREEDY.max_tokens) // 16) for p in PROMPTS[:6])
+    assert tight.kv.num_resident_blocks <= per_request
+    assert outputs == [run(make_engine(loaded), [p])[0]["0"] for p in PROMPTS[:6]]
+
+
 def test_abort_at_every_stage_frees_every_block(loaded):
     engine = make_engine(loaded, max_batched=8)
     long_prompt = "word " * 40

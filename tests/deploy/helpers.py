@@ -31,7 +31,7 @@ TORCH_PIN = "torch==2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CLI_FLAGS = {
     "--model", "--host", "--port", "--dtype", "--served-model-name", "--max-num-seqs",
-    "--max-num-batched-tokens", "--max-model-len", "--kv-cache-gb", "--kv-cache-dtype",
+    "--max-num-batched-tokens", "--max-model-len", "--kv-cache-gb", "--prefix-cache-gb", "--kv-cache-dtype",
     "--block-size", "--max-queue", "--max-request-bytes", "--api-key", "--threads",
     "--shutdown-timeout", "--log-level",
 }

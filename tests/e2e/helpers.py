@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,8 +25,10 @@ def scrape(base_url: str) -> dict[tuple[str, frozenset], float]:
     return out
 
 
-def metric(samples: dict, name: str, **labels: str) -> float:
-    """One sample's value; labels not given are summed over (model_name is always ours)."""
+def metric(samples: dict, name: str, absent: Optional[float] = None, **labels: str) -> float:
+    """One sample's value; labels not given are summed over (model_name is always ours).  A series
+    that does not exist yet fails, or reads ``absent`` when given (a labelled counter appears with
+    its first event)."""
     want = {"model_name": MODEL, **labels}
     total, found = 0.0, False
     for (n, lbls), v in samples.items():
@@ -34,6 +36,8 @@ def metric(samples: dict, name: str, **labels: str) -> float:
         if n == name and all(d.get(k) == val for k, val in want.items()):
             total += v
             found = True
+    if not found and absent is not None:
+        return absent
     assert found, f"no sample {name}{want} in /metrics"
     return total
 

@@ -9,7 +9,7 @@ from .conftest import ROOT, service_env
 
 FLAGS = [
     "--model", "--host", "--port", "--dtype", "--served-model-name", "--max-num-seqs", "--max-num-batched-tokens",
-    "--max-model-len", "--kv-cache-gb", "--kv-cache-dtype", "--block-size", "--max-queue", "--max-request-bytes",
+    "--max-model-len", "--kv-cache-gb", "--prefix-cache-gb", "--kv-cache-dtype", "--block-size", "--max-queue", "--max-request-bytes",
     "--api-key", "--threads", "--shutdown-timeout", "--log-level",
 ]
 

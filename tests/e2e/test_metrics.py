@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 import openai
 
+from .conftest import start_server
 from .helpers import MODEL, metric, scrape
 
 STEP_HISTOGRAMS = [
@@ -39,7 +40,7 @@ def test_metrics_after_traffic(server, client: openai.OpenAI) -> None:  # noqa: 
     after = scrape(server.url)
 
     def grew(name: str, by: float = 1, **labels: str) -> None:
-        assert metric(after, name, **labels) - metric(before, name, **labels) >= by, name
+        assert metric(after, name, **labels) - metric(before, name, absent=0.0, **labels) >= by, name
 
     for name in STEP_HISTOGRAMS:
         grew(name + "_count")
@@ -56,6 +57,7 @@ def test_metrics_after_traffic(server, client: openai.OpenAI) -> None:  # noqa: 
     assert metric(after, "cpuserve:num_requests_running") == 0
     assert metric(after, "cpuserve:num_requests_waiting") == 0
     assert 0 <= metric(after, "cpuserve:kv_cache_usage_ratio") <= 1
+    assert metric(after, "cpuserve:kv_cache_blocks_resident") >= 1
     assert metric(after, "cpuserve:engine_healthy") == 1
 
 
@@ -85,3 +87,25 @@ def test_metric_names_match_deploy_contract(server) -> None:  # noqa: ANN001
             assert f'{label_name}="' in text.split(series + "{", 1)[1].split("}", 1)[0] or any(
                 f'{label_name}="' in ln for ln in text.splitlines() if ln.startswith(series + "{")
             ), f"{name} lacks label {label_name}"
+
+
+def test_no_prefix_reserve_keeps_reusing_the_same_blocks(tmp_path: Path) -> None:
+    """``--prefix-cache-gb 0``: one request after another runs in the blocks the previous one freed,
+    so the cache's resident part stays at one request's blocks, and the latest prompt still hits."""
+    srv = start_server("no-reserve", tmp_path, "--kv-cache-gb", "0.1", "--prefix-cache-gb", "0", "--threads", "1",
+                       "--max-model-len", "1024")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as http:
+            for i in range(6):
+                prompt = f"Request number {i} asks about something else entirely: " * 4  # ~60 tokens: 4-5 blocks
+                r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8,
+                                                       "ignore_eos": True})
+                assert r.status_code == 200, r.text
+            used = -(-(r.json()["usage"]["prompt_tokens"] + 8) // 16)
+            samples = scrape(srv.url)
+            assert 1 <= metric(samples, "cpuserve:kv_cache_blocks_resident") <= used + 1
+            before = metric(samples, "cpuserve:prefix_cache_hits_total")
+            assert http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}).status_code == 200
+            assert metric(scrape(srv.url), "cpuserve:prefix_cache_hits_total") - before >= 16
+    finally:
+        srv.stop()
