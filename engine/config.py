@@ -70,7 +70,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Finished requests' blocks kept as cached prefixes before the pool recycles them instead of
     # touching more of its memory (kv_cache.BlockPool); None: 1/32 of the pool, at least one full
-    # context.  The pool's resident part then stops at the peak of live blocks plus this.
+    # context.  The pool's resident part then stops at the peak of live blocks plus this; the
+    # server's warm-up makes this much resident up front (LLMEngine.prefault_kv_cache).
     prefix_cache_gb: Optional[float] = None
     num_blocks: Optional[int] = None  # overrides kv_cache_gb; tests use it to force preemption
 

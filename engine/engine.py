@@ -279,6 +279,14 @@ class LLMEngine:
                 out.append(self._delta(req))
         return out
 
+    def prefault_kv_cache(self) -> int:
+        """Make the blocks the prefix-cache reserve will occupy resident now (the server's warm-up
+        calls this, so first requests do not pay their page faults); returns how many."""
+        n = self.kv.reserve_blocks
+        self.runner.prefault_kv_cache(n)
+        self.kv.prefaulted_blocks = max(self.kv.prefaulted_blocks, n)
+        return n
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

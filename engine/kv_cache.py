@@ -137,6 +137,7 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_cached: dict[str, int] = {}  # leading blocks already registered in the cache
         self.stats = PrefixCacheStats()
+        self.prefaulted_blocks = 0  # set by LLMEngine.prefault_kv_cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,9 +149,15 @@ class KVCacheManager:
         return self.num_blocks - self.pool.num_free
 
     @property
+    def reserve_blocks(self) -> int:
+        """Freed blocks kept for cached prefixes before the pool reuses them (BlockPool.reserve)."""
+        return self.pool.reserve
+
+    @property
     def num_resident_blocks(self) -> int:
-        """Blocks used at least once: their memory is resident (it grows until ``reserve`` freed blocks wait)."""
-        return self.pool.num_touched
+        """Blocks whose memory is resident: used at least once (the pool grows until ``reserve``
+        freed blocks wait), or made resident up front (``prefaulted_blocks``, the lowest ids)."""
+        return max(self.pool.num_touched, self.prefaulted_blocks)
 
     @property
     def usage(self) -> float:

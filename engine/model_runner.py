@@ -72,6 +72,13 @@ class ModelRunner:
         self.model.load_weights(weights)
         self.model.eval()
 
+    def prefault_kv_cache(self, num_blocks: int) -> None:
+        """Make the first ``num_blocks`` blocks of every layer's cache resident now: the pool hands
+        out never-used blocks in id order, and a page's first touch (~2 us on bare metal, ~28 us on a
+        VM whose host has taken the free memory back) would otherwise land on the first requests."""
+        for cache in self.kv_caches:
+            cache[:num_blocks].zero_()
+
     def allocate_kv_cache(self) -> None:
         """One tensor per layer, bound to its attention layer; pages become resident as they fill."""
         cache_dtype = kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype)

@@ -97,7 +97,7 @@ def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentPa
         type=int,
     )
     add("--kv-cache-gb", "KV-cache size in GiB (default: a quarter of available memory, 0.5 to 8)", type=float)
-    add("--prefix-cache-gb", "memory finished requests' KV blocks may keep as cached prefixes before they are reused; the cache's resident memory stops at its live blocks plus this (default: 1/32 of --kv-cache-gb, at least one full context)", type=float)
+    add("--prefix-cache-gb", "memory finished requests' KV blocks may keep as cached prefixes before they are reused; made resident at start-up, and the cache's resident memory stops at its live blocks plus this (default: 1/32 of --kv-cache-gb, at least one full context)", type=float)
     add("--kv-cache-dtype", "KV-cache storage type: auto is int8 (one scale per token and kv head) for bfloat16 runs with native attention kernels (AVX-512 VNNI or AVX2), else the run's dtype; int8 and fp8 take about half of bf16's memory", choices=list(KV_CACHE_DTYPES), default="auto")
     add("--block-size", "tokens per KV-cache block (a multiple of 8)", type=int, default=16)
     add("--max-queue", "most sequences (a request with n choices counts n) waiting for a batch slot; beyond it requests get 429 with Retry-After", type=int, default=1024)

@@ -209,7 +209,11 @@ def _settle(future: asyncio.Future, result: object, exc: Optional[BaseException]
 
 
 def _warm_up(engine: LLMEngine) -> None:
-    """One tiny greedy generation, so the first real request does not pay for lazy initialisation."""
+    """One tiny greedy generation, so the first real request does not pay for lazy initialisation,
+    and the prefix-cache reserve's KV blocks made resident, so the first requests' do not fault."""
+    t0 = time.monotonic()
+    blocks = engine.prefault_kv_cache()
+    logger.info("made %d KV-cache blocks resident in %.2fs", blocks, time.monotonic() - t0)
     t0 = time.monotonic()
     ids = engine.tokenizer.encode("Hello") or [0]
     engine.add_request("warmup", ids, SamplingParams(max_tokens=2, temperature=0.0))

@@ -6,6 +6,9 @@ no leaked KV blocks.
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import pytest
 import torch
 
@@ -40,6 +43,31 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def loaded():
     return load_model("default", torch.float32)
+
+
+def _whole_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(address, length) of the memory pages lying wholly inside a contiguous tensor."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    return start, max(0, end - start)
+
+
+def resident_fraction(t: torch.Tensor) -> float:
+    """Share of the tensor's pages that are resident in memory (mincore)."""
+    start, length = _whole_pages(t)
+    vec = (ctypes.c_ubyte * (length // os.sysconf("SC_PAGE_SIZE")))()
+    assert LIBC.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / len(vec)
+
+
+def drop_pages(t: torch.Tensor) -> None:
+    """Hand the tensor's pages back to the kernel (MADV_DONTNEED): not resident until touched again."""
+    start, length = _whole_pages(t)
+    assert LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 4) == 0, ctypes.get_errno()
+
+
+LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def make_engine(loaded, num_blocks=512, max_batched=2048, max_seqs=64, prefix=True, dtype="float32", kv="auto") -> LLMEngine:
@@ -140,15 +168,22 @@ def test_n_greater_than_one_shares_prompt_blocks(loaded):
 
 def test_prefix_cache_reserve_bounds_the_resident_cache(loaded):
     """Freed blocks are reused once the prefix-cache reserve is full, so one request at a time keeps
-    the same few blocks resident; the default reserve is 1/32 of the pool, at least one context."""
+    the same few blocks resident; the default reserve is 1/32 of the pool, at least one context,
+    and can be made resident up front."""
 
     def engine(**cache) -> LLMEngine:
         cfg = EngineConfig(model="default", dtype="float32", weight_quant="none",
-                           cache=CacheConfig(num_blocks=1024, **cache), scheduler=SchedulerConfig(max_model_len=256))
+                           cache=CacheConfig(num_blocks=2048, **cache), scheduler=SchedulerConfig(max_model_len=256))
         return LLMEngine(cfg, loaded=loaded)
 
-    assert engine().kv.pool.reserve == 32  # 1024 / 32 blocks, above one 256-token context's 16
-    assert engine(prefix_cache_gb=100.0).kv.pool.reserve == 1024
+    default = engine()
+    assert default.kv.reserve_blocks == 64  # 2048 / 32 blocks, above one 256-token context's 16
+    for cache in default.runner.kv_caches:  # what a fresh process has: untouched memory
+        drop_pages(cache)
+    assert max(resident_fraction(c[:64]) for c in default.runner.kv_caches) == 0.0
+    assert default.prefault_kv_cache() == 64 and default.kv.num_resident_blocks == 64  # the warm-up calls it
+    assert min(resident_fraction(c[:64]) for c in default.runner.kv_caches) == 1.0
+    assert engine(prefix_cache_gb=100.0).kv.pool.reserve == 2048
     tight = engine(prefix_cache_gb=0.0)
     outputs = [run(tight, [p])[0]["0"] for p in PROMPTS[:6]]
     per_request = max(-(-(len(tight.tokenizer.encode(p)) + GREEDY.max_tokens) // 16) for p in PROMPTS[:6])
