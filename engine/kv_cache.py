@@ -7,8 +7,8 @@ sit in the free list in LRU order; they are evicted (forget their hash) only
 when a new block is needed.  Nothing here touches tensors: it hands out block ids.
 
 The cache tensors are allocated untouched (their pages become resident as blocks
-fill), and a block's first use costs page faults: ~2 us a 4 KiB page on bare
-metal, ~28 us where a VM host has taken the guest's free memory back.  So the
+fill), and a block's first use costs page faults: ~2 us a 4 KiB page (measured
+on a KVM guest), ~28 us where the VM host has taken the guest's free memory back.  So the
 pool recycles freed blocks instead of growing into untouched blocks once
 ``reserve`` freed blocks are waiting: under steady load the resident cache stops
 growing at the peak of live blocks plus that reserve of cached prefixes.

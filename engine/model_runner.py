@@ -74,8 +74,8 @@ class ModelRunner:
 
     def prefault_kv_cache(self, num_blocks: int) -> None:
         """Make the first ``num_blocks`` blocks of every layer's cache resident now: the pool hands
-        out never-used blocks in id order, and a page's first touch (~2 us on bare metal, ~28 us on a
-        VM whose host has taken the free memory back) would otherwise land on the first requests."""
+        out never-used blocks in id order, and a page's first touch (~2 us, ~28 us on a VM whose host
+        has taken the guest's free memory back) would otherwise land on the first requests."""
         for cache in self.kv_caches:
             cache[:num_blocks].zero_()
 

@@ -87,7 +87,7 @@ class Metrics:
         self._kv_blocks = gauge("kv_cache_blocks_used", "KV-cache blocks held by live requests (0 when idle: none leaked)")
         self._kv_resident = gauge(
             "kv_cache_blocks_resident",
-            "KV-cache blocks used at least once: the cache's resident part (live blocks' peak plus the prefix-cache reserve)",
+            "KV-cache blocks whose memory is resident: used at least once or made resident at start-up (live blocks' peak plus the prefix-cache reserve)",
         )
         self._healthy = gauge("engine_healthy", "1 when the engine is loaded, warmed up and running, else 0")
         self.model_name: Optional[str] = None
