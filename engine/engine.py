@@ -85,8 +85,9 @@ class LLMEngine:
         self._attach_packed_weights(loaded)
         del loaded
         self.runner.allocate_kv_cache()
-        reserve = self._prefix_cache_blocks(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, reserve)
+        self.kv = KVCacheManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, self._prefix_cache_blocks(num_blocks)
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.text_states: dict[str, RequestTextState] = {}
         self._arrival_seq = itertools.count()
@@ -106,7 +107,7 @@ class LLMEngine:
             num_blocks * config.cache.block_size,
             num_blocks * self._block_bytes() / 2**30,
             config.cache.kv_cache_dtype,
-            reserve,
+            self.kv.reserve_blocks,  # 0 without prefix caching
             self.runner.attention_kernels(),
         )
 

@@ -123,8 +123,6 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         raise ValueError("--max-model-len must be at least 2")
     if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
         raise ValueError("--kv-cache-gb must be positive")
-    if args.prefix_cache_gb is not None and args.prefix_cache_gb < 0:
-        raise ValueError("--prefix-cache-gb must not be negative")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must not be negative")
     extra = {"num_threads": args.threads} if args.threads is not None else {}

@@ -39,6 +39,8 @@ def test_bad_model_path_is_one_clear_line() -> None:
 def test_bad_settings_fail_before_loading() -> None:
     r = run("--block-size", "12")
     assert r.returncode != 0 and "block_size" in r.stderr and "Traceback" not in r.stderr
+    r = run("--prefix-cache-gb", "-1")
+    assert r.returncode != 0 and "prefix_cache_gb must not be negative" in r.stderr and "Traceback" not in r.stderr
     r = run(CPUSERVE_PORT="not-a-port")
     assert r.returncode != 0 and "CPUSERVE_PORT" in r.stderr and "Traceback" not in r.stderr
     r = run("--kv-cache-dtype", "bfloat16", "--dtype", "float32")
