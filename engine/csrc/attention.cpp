@@ -505,7 +505,7 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
     // 16 streams 0.98x / 0.99x, 8 streams 0.92x / 0.99x.
     std::atomic<int64_t> claimed{0};
     const int64_t chunk = nu >= 4 * nt * p.Hkv ? p.Hkv : 1;
-#pragma omp parallel num_threads(nt)
+#pragma omp parallel  // the whole team: nt threads (work_spans.h: Team size)
     {
       int64_t c0 = claimed.fetch_add(chunk, std::memory_order_relaxed);
       bool prefetched = false;

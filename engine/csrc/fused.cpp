@@ -302,11 +302,11 @@ void for_rows(int64_t rows, int64_t row_elems, Fn fn) {
     fn(0, rows);
     return;
   }
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel  // the whole team, rows on its first `threads` (work_spans.h: Team size)
   {
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int t = omp_get_thread_num(), n = std::min(threads, omp_get_num_threads());
     const int64_t r0 = rows * t / n, r1 = rows * (t + 1) / n;
-    if (r0 < r1) fn(r0, r1);
+    if (t < n && r0 < r1) fn(r0, r1);
   }
 }
 

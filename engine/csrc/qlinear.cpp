@@ -1040,18 +1040,20 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
   }
   const int64_t unit = std::max<int64_t>(2, (groups / (threads * kUnitsPerThread) + 1) & ~int64_t{1});
   cpuserve_par::WorkSpans spans((groups + unit - 1) / unit, threads);
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel  // the whole team, the work on its first `threads` (work_spans.h: Team size)
   {
-    const int me = omp_get_thread_num();
+    const int me = omp_get_thread_num(), nt = std::min(threads, omp_get_num_threads());
     if (quant_inside) {
-      const int nt = omp_get_num_threads();
-      for (int64_t r = m * me / nt; r < m * (me + 1) / nt; ++r) quant_row(r);
+      if (me < nt)
+        for (int64_t r = m * me / nt; r < m * (me + 1) / nt; ++r) quant_row(r);
 #pragma omp barrier
     }
-    Problem mine = p;
-    if (argmax) mine.amax = &lanes[me];
-    Scope scope(mine);
-    spans.run(me, [&](int64_t u) { range(mine, u * unit, std::min(groups, (u + 1) * unit)); });
+    if (me < nt) {
+      Problem mine = p;
+      if (argmax) mine.amax = &lanes[me];
+      Scope scope(mine);
+      spans.run(me, [&](int64_t u) { range(mine, u * unit, std::min(groups, (u + 1) * unit)); });
+    }
   }
   return finish();
 }

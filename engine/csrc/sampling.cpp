@@ -409,9 +409,9 @@ torch::Tensor argmax_rows(const torch::Tensor& x, int64_t isa) {
   torch::Tensor out = torch::empty({R}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  // Rows split over threads only when there are enough of them to pay for waking the pool.
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), R / 4)));
-#pragma omp parallel for num_threads(threads) if (threads > 1 && !omp_in_parallel())
+  // Rows split over threads, four at least a thread, only when there are enough of them to pay
+  // for waking the pool; the whole team takes part (work_spans.h: Team size).
+#pragma omp parallel for schedule(static, 4) if (R >= 8 && omp_get_max_threads() > 1 && !omp_in_parallel())
   for (int64_t r = 0; r < R; ++r) op[r] = argmax_row(path, xp + r * ld, V);
   return out;
 }
@@ -431,8 +431,7 @@ torch::Tensor sampling_thresholds(const torch::Tensor& e, const torch::Tensor& t
   const int64_t* kp = kc.data_ptr<int64_t>();
   const float* pp = pc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), R)));
-#pragma omp parallel num_threads(threads) if (threads > 1 && !omp_in_parallel())
+#pragma omp parallel if (R > 1 && omp_get_max_threads() > 1 && !omp_in_parallel())  // the whole team (work_spans.h)
   {
     std::vector<float> bucket;
 #pragma omp for schedule(dynamic, 1)
@@ -465,8 +464,7 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits
   int64_t* ip = ids.data_ptr<int64_t>();
   float* thp = kept.data_ptr<float>();
   const float* xp = logits.data_ptr<float>();
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), R)));
-#pragma omp parallel num_threads(threads) if (threads > 1 && !omp_in_parallel())
+#pragma omp parallel if (R > 1 && omp_get_max_threads() > 1 && !omp_in_parallel())  // the whole team (work_spans.h)
   {
     static thread_local DrawScratch scratch;
 #pragma omp for schedule(dynamic, 1)
@@ -491,8 +489,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_rows(const torc
   const float* xp = logits.data_ptr<float>();
   float *lpp = lp.data_ptr<float>(), *tvp = top_lp.data_ptr<float>();
   int64_t* tip = top_ids.data_ptr<int64_t>();
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), R)));
-#pragma omp parallel num_threads(threads) if (threads > 1 && !omp_in_parallel())
+#pragma omp parallel if (R > 1 && omp_get_max_threads() > 1 && !omp_in_parallel())  // the whole team (work_spans.h)
   {
     static thread_local std::vector<float> e;
 #pragma omp for schedule(dynamic, 1)

@@ -11,6 +11,14 @@
 // thread's walk contiguous, so only stolen units start cold: the same region took 107 us (threads
 // 4 us apart).  Steps against the static split, alternating in one process: 32 streams 0.95-0.99x
 // (five runs), 16 streams 0.97x, 8 streams 0.96x, batch 1 0.97x.
+//
+// Team size: every parallel region of the extension runs on the caller's whole OpenMP team (no
+// `num_threads` clause), and a kernel that wants fewer threads leaves the rest of the team idle
+// in the region.  libgomp ends the pool threads that a smaller team leaves out and starts new ones
+// for the next bigger team, so regions of varying sizes made a thread or more per region: on a
+// 16-core Xeon, batch-1 decode took 145 ms a step on 8 threads and 7.6 on 2 (each step's small
+// matmuls wanted fewer threads than its attention).  torch's at::parallel_for does the same for
+// the same reason (pytorch#32008).  tests/test_openmp_team.py checks that the threads stay.
 #pragma once
 
 #include <algorithm>
