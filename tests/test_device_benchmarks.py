@@ -1,12 +1,16 @@
-"""benchmarks/random_gguf.py: a small header travels, the full random-weight copy is written from it,
-and the engine serves the copy like the original (same tokenizer, shapes and tensor types)."""
+"""The tools for measuring where the model cannot travel (the device machine):
+
+* benchmarks/random_gguf.py: a small header travels, the full random-weight copy is written from
+  it, and the engine serves the copy like the original (same tokenizer, shapes and tensor types);
+* benchmarks/scaling.py: the engine alone across thread counts, as a table of ratios.
+"""
 
 from __future__ import annotations
 
 import gguf
 import pytest
 
-from benchmarks import random_gguf
+from benchmarks import random_gguf, scaling
 from engine.config import EngineConfig
 from engine.engine import LLM
 from engine.request import SamplingParams
@@ -49,3 +53,14 @@ def test_engine_serves_the_copy(tmp_path):
 def test_fill_refuses_a_file_without_a_tensor_list(tmp_path):
     with pytest.raises(SystemExit, match="no tensor list"):
         random_gguf.main(["fill", str(make_tiny_gguf(tmp_path, "llama", "Q8_0")), str(tmp_path / "x.gguf")])
+
+
+def test_scaling_prints_one_row_per_thread_count(tmp_path, capsys):
+    model = make_tiny_gguf(tmp_path, "llama", "Q4_1")
+    args = ["--model", str(model), "--threads", "1,2", "--streams", "2", "--requests", "4", "--requests-1", "1",
+            "--input-len", "8", "--output-len", "4"]
+    assert scaling.main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 2"]
+    assert rows[0].split(" | ")[2] == "1.00x" and rows[0].endswith("| 1.00x |")
+    assert all(float(row.split(" | ")[1]) > 0 and float(row.split(" | ")[3]) > 0 for row in rows)
