@@ -278,19 +278,24 @@ class UnitLinePrefetch {
   int k_ = 0, k1_ = 0, run_rows_ = 0;
 };
 
-// f(std::integral_constant<int, R>{}) for R = 1..8 (larger R as 8): the direct decode paths
-// take their row count as a template argument, so their accumulators live in registers.
-template <class F>
-inline void with_rows_upto8(int R, F&& f) {
-  switch (R) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
+// f(std::integral_constant<int, R>{}) for R = 1..MAX (larger R as MAX; MAX <= 8): kernels that take
+// their row count as a template argument, so their accumulators live in registers, are called
+// through this one switch.
+template <int MAX, class F>
+inline void with_rows_upto(int R, F&& f) {
+  static_assert(MAX >= 1 && MAX <= 8, "row blocks of 1 to 8 rows");
+  auto call = [&](auto rows) {
+    if constexpr (decltype(rows)::value <= MAX) f(rows);
+  };
+  switch (R < MAX ? R : MAX) {
+    case 1: return call(std::integral_constant<int, 1>{});
+    case 2: return call(std::integral_constant<int, 2>{});
+    case 3: return call(std::integral_constant<int, 3>{});
+    case 4: return call(std::integral_constant<int, 4>{});
+    case 5: return call(std::integral_constant<int, 5>{});
+    case 6: return call(std::integral_constant<int, 6>{});
+    case 7: return call(std::integral_constant<int, 7>{});
+    default: return call(std::integral_constant<int, MAX>{});
   }
 }
 

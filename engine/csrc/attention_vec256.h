@@ -243,14 +243,7 @@ struct Ops {
       for (; r0 + 6 <= R; r0 += 6) qk_block<6>(q + r0 * qs, qs, kt + h * 16, D, s.S + r0 * KT + h * 16);
       float* S = s.S + r0 * KT + h * 16;
       const float* qr = q + r0 * qs;
-      switch (R - r0) {
-        case 1: qk_block<1>(qr, qs, kt + h * 16, D, S); break;
-        case 2: qk_block<2>(qr, qs, kt + h * 16, D, S); break;
-        case 3: qk_block<3>(qr, qs, kt + h * 16, D, S); break;
-        case 4: qk_block<4>(qr, qs, kt + h * 16, D, S); break;
-        case 5: qk_block<5>(qr, qs, kt + h * 16, D, S); break;
-        default: break;
-      }
+      if (r0 < R) with_rows_upto<5>(R - r0, [&](auto rows) { qk_block<decltype(rows)::value>(qr, qs, kt + h * 16, D, S); });
     }
   }
 
@@ -296,19 +289,11 @@ struct Ops {
     const float* P = static_cast<const float*>(s.P);
     const float* v = static_cast<const float*>(s.v);
     for (int r0 = 0; r0 < R; r0 += 6) {
-      const int rb = std::min(6, R - r0);
       for (int d0 = 0; d0 < D; d0 += 16) {
         const float* Pr = P + r0 * KT;
         float* Or = s.O + static_cast<int64_t>(r0) * Dp + d0;
         const float* al = s.alpha + r0;
-        switch (rb) {
-          case 1: pv_block<1>(Pr, v + d0, Dp, n, Or, al); break;
-          case 2: pv_block<2>(Pr, v + d0, Dp, n, Or, al); break;
-          case 3: pv_block<3>(Pr, v + d0, Dp, n, Or, al); break;
-          case 4: pv_block<4>(Pr, v + d0, Dp, n, Or, al); break;
-          case 5: pv_block<5>(Pr, v + d0, Dp, n, Or, al); break;
-          default: pv_block<6>(Pr, v + d0, Dp, n, Or, al); break;
-        }
+        with_rows_upto<6>(R - r0, [&](auto rows) { pv_block<decltype(rows)::value>(Pr, v + d0, Dp, n, Or, al); });
       }
     }
   }
@@ -495,7 +480,7 @@ struct DecodeOpsT {
   __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
     const float* q = static_cast<const float*>(s.q);
     float* T = static_cast<float*>(s.krow);
-    with_rows_upto8(R, [&](auto rb) { qk_direct<decltype(rb)::value, I8>(q, p.Dp, s.krows, p.D, n, s.S, T, s.ksc); });
+    with_rows_upto<8>(R, [&](auto rb) { qk_direct<decltype(rb)::value, I8>(q, p.Dp, s.krows, p.D, n, s.S, T, s.ksc); });
   }
 
   static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
@@ -508,7 +493,7 @@ struct DecodeOpsT {
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < KT; j += 8)
           _mm256_store_ps(P + r * KT + j, _mm256_mul_ps(_mm256_load_ps(P + r * KT + j), _mm256_load_ps(s.vsc + j)));
-    with_rows_upto8(R, [&](auto rb) { pv_direct<decltype(rb)::value, I8>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
+    with_rows_upto<8>(R, [&](auto rb) { pv_direct<decltype(rb)::value, I8>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
   }
 
   static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {

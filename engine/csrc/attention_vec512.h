@@ -286,14 +286,7 @@ static inline void pv_block_bf16(const int32_t* P, const int32_t* v, int Dp, int
 
 template <int NV>
 static inline void pv_rows_bf16(const int32_t* P, const int32_t* v, int Dp, int npairs, float* O, const float* alpha, int rb) {
-  switch (rb) {
-    case 1: return pv_block_bf16<1, NV>(P, v, Dp, npairs, O, alpha);
-    case 2: return pv_block_bf16<2, NV>(P, v, Dp, npairs, O, alpha);
-    case 3: return pv_block_bf16<3, NV>(P, v, Dp, npairs, O, alpha);
-    case 4: return pv_block_bf16<4, NV>(P, v, Dp, npairs, O, alpha);
-    case 5: return pv_block_bf16<5, NV>(P, v, Dp, npairs, O, alpha);
-    default: return pv_block_bf16<6, NV>(P, v, Dp, npairs, O, alpha);
-  }
+  with_rows_upto<6>(rb, [&](auto rows) { pv_block_bf16<decltype(rows)::value, NV>(P, v, Dp, npairs, O, alpha); });
 }
 
 // V tile from KT bf16 rows (null past the tile's keys: zeros), key pairs interleaved as
@@ -387,16 +380,8 @@ struct Bf16Ops {
     const int qs = p.Dp / 2, npairs = p.D / 2;
     int r0 = 0;
     for (; r0 + 8 <= R; r0 += 8) qk_block_bf16<8>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT);
-    switch (R - r0) {
-      case 1: qk_block_bf16<1>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
-      case 2: qk_block_bf16<2>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
-      case 3: qk_block_bf16<3>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
-      case 4: qk_block_bf16<4>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
-      case 5: qk_block_bf16<5>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
-      case 6: qk_block_bf16<6>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
-      case 7: qk_block_bf16<7>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); break;
-      default: break;
-    }
+    if (r0 < R)
+      with_rows_upto<7>(R - r0, [&](auto rows) { qk_block_bf16<decltype(rows)::value>(q + r0 * qs, qs, kt, npairs, s.S + r0 * KT); });
   }
 
   __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
@@ -593,7 +578,7 @@ struct Bf16DecodeOps {
   __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
     const int32_t* q = static_cast<const int32_t*>(s.q);
     const int qs = p.Dp / 2;
-    with_rows_upto8(R, [&](auto rb) { qk_direct<decltype(rb)::value, false>(q, qs, s.krows, p.D, n, s.S); });
+    with_rows_upto<8>(R, [&](auto rb) { qk_direct<decltype(rb)::value, false>(q, qs, s.krows, p.D, n, s.S); });
   }
 
   static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
@@ -602,7 +587,7 @@ struct Bf16DecodeOps {
 
   __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
     const int32_t* P = static_cast<const int32_t*>(s.P);
-    with_rows_upto8(R, [&](auto rb) { pv_direct_rows<decltype(rb)::value>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
+    with_rows_upto<8>(R, [&](auto rb) { pv_direct_rows<decltype(rb)::value>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
   }
 
   static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
@@ -686,7 +671,7 @@ struct Bf16FmaDecodeOps {
 
   __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
     const float* q = static_cast<const float*>(s.q);
-    with_rows_upto8(R, [&](auto rb) { qk_direct<decltype(rb)::value, true>(q, p.Dp, s.krows, p.D, n, s.S); });
+    with_rows_upto<8>(R, [&](auto rb) { qk_direct<decltype(rb)::value, true>(q, p.Dp, s.krows, p.D, n, s.S); });
   }
 
   __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
@@ -695,7 +680,7 @@ struct Bf16FmaDecodeOps {
 
   __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
     const float* P = static_cast<const float*>(s.P);
-    with_rows_upto8(R, [&](auto rb) { pv_direct_fma<decltype(rb)::value>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
+    with_rows_upto<8>(R, [&](auto rb) { pv_direct_fma<decltype(rb)::value>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
   }
 
   static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
@@ -734,14 +719,7 @@ static inline void pv_block_f32(const float* P, const float* v, int Dp, int nkey
 
 template <int NV>
 static inline void pv_rows_f32(const float* P, const float* v, int Dp, int nkeys, float* O, const float* alpha, int rb) {
-  switch (rb) {
-    case 1: return pv_block_f32<1, NV>(P, v, Dp, nkeys, O, alpha);
-    case 2: return pv_block_f32<2, NV>(P, v, Dp, nkeys, O, alpha);
-    case 3: return pv_block_f32<3, NV>(P, v, Dp, nkeys, O, alpha);
-    case 4: return pv_block_f32<4, NV>(P, v, Dp, nkeys, O, alpha);
-    case 5: return pv_block_f32<5, NV>(P, v, Dp, nkeys, O, alpha);
-    default: return pv_block_f32<6, NV>(P, v, Dp, nkeys, O, alpha);
-  }
+  with_rows_upto<6>(rb, [&](auto rows) { pv_block_f32<decltype(rows)::value, NV>(P, v, Dp, nkeys, O, alpha); });
 }
 
 struct F32Ops {
@@ -818,16 +796,7 @@ struct F32Ops {
     const int qs = p.Dp, D = p.D;
     int r0 = 0;
     for (; r0 + 8 <= R; r0 += 8) qk_block_f32<8>(q + r0 * qs, qs, kt, D, s.S + r0 * KT);
-    switch (R - r0) {
-      case 1: qk_block_f32<1>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
-      case 2: qk_block_f32<2>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
-      case 3: qk_block_f32<3>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
-      case 4: qk_block_f32<4>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
-      case 5: qk_block_f32<5>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
-      case 6: qk_block_f32<6>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
-      case 7: qk_block_f32<7>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); break;
-      default: break;
-    }
+    if (r0 < R) with_rows_upto<7>(R - r0, [&](auto rows) { qk_block_f32<decltype(rows)::value>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); });
   }
 
   __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
@@ -1050,7 +1019,7 @@ struct Int8DecodeOps {
   __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
     const int8_t* q = static_cast<const int8_t*>(s.q);
     const int Dq = (p.D + 63) / 64 * 64;
-    with_rows_upto8(R, [&](auto rb) { qk_int8<decltype(rb)::value>(q, Dq, s.qsc, s.qsum, s.krows, s.ksc, p.D, n, s.S); });
+    with_rows_upto<8>(R, [&](auto rb) { qk_int8<decltype(rb)::value>(q, Dq, s.qsc, s.qsum, s.krows, s.ksc, p.D, n, s.S); });
   }
 
   __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
@@ -1074,12 +1043,9 @@ struct Int8DecodeOps {
     for (int r0 = 0; r0 < R; r0 += 4) {
       const int32_t* Pq = reinterpret_cast<const int32_t*>(P + r0 * KT);
       float* O = s.O + static_cast<int64_t>(r0) * p.Dp;
-      switch (std::min(4, R - r0)) {
-        case 1: pv_int8_rows<1>(Pq, s.psc + r0, s.vrows, p.D, p.Dp, n, O, s.alpha + r0); break;
-        case 2: pv_int8_rows<2>(Pq, s.psc + r0, s.vrows, p.D, p.Dp, n, O, s.alpha + r0); break;
-        case 3: pv_int8_rows<3>(Pq, s.psc + r0, s.vrows, p.D, p.Dp, n, O, s.alpha + r0); break;
-        default: pv_int8_rows<4>(Pq, s.psc + r0, s.vrows, p.D, p.Dp, n, O, s.alpha + r0); break;
-      }
+      with_rows_upto<4>(R - r0, [&](auto rows) {
+        pv_int8_rows<decltype(rows)::value>(Pq, s.psc + r0, s.vrows, p.D, p.Dp, n, O, s.alpha + r0);
+      });
     }
   }
 
@@ -1185,7 +1151,7 @@ struct Int8PrefillOps {
     int r0 = 0;
     for (; r0 + 8 <= R; r0 += 8) qk_int8_tile<8>(q + r0 * Dq, Dq, s.qsc + r0, s.qsum + r0, kt, s.ksc, ng, s.S + r0 * KT);
     if (r0 < R)
-      with_rows_upto8(R - r0, [&](auto rb) {
+      with_rows_upto<8>(R - r0, [&](auto rb) {
         qk_int8_tile<decltype(rb)::value>(q + r0 * Dq, Dq, s.qsc + r0, s.qsum + r0, kt, s.ksc, ng, s.S + r0 * KT);
       });
   }
