@@ -24,6 +24,7 @@ from service.generate import (
     SSE_HEADERS,
     ClientDisconnected,
     Generation,
+    finish_reason,
     new_request_id,
     sse,
     sse_stream,
@@ -86,12 +87,6 @@ def render_chat(tok: Tokenizer, messages: Sequence[ChatMessage], add_generation_
     return tok.encode(text, add_special_tokens=False)
 
 
-def _finish_reason(d: CompletionDelta) -> Optional[str]:
-    if not d.finished:
-        return None
-    return "length" if d.finish_reason == "length" else "stop"
-
-
 class _Chat:
     def __init__(
         self, req: ChatCompletionRequest, tok: Tokenizer, model: str, gen: Generation, top_k: Optional[int]
@@ -142,7 +137,7 @@ class _Chat:
                 index=j,
                 message=ChatResponseMessage(content=texts[j]),
                 logprobs=self._logprobs(lps[j]),
-                finish_reason=_finish_reason(finish[j]) if finish[j] else None,
+                finish_reason=finish_reason(finish[j]) if finish[j] else None,
                 stop_reason=finish[j].stop_reason if finish[j] else None,
             )
             for j in range(n)
@@ -168,7 +163,7 @@ class _Chat:
                     index=d.index,
                     delta=ChatDelta(content=d.new_text or None),
                     logprobs=logprobs,
-                    finish_reason=_finish_reason(d),
+                    finish_reason=finish_reason(d),
                     stop_reason=d.stop_reason if d.finished else None,
                 )
                 yield chunk([choice])

@@ -16,13 +16,14 @@ from typing import AsyncIterator, Optional, Sequence
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.request import CompletionDelta, Logprob
+from engine.request import Logprob
 from engine.tokenizer import Tokenizer
 from service.errors import bad_request
 from service.generate import (
     SSE_HEADERS,
     ClientDisconnected,
     Generation,
+    finish_reason,
     new_request_id,
     sse,
     sse_stream,
@@ -141,12 +142,6 @@ def _prompt_logprobs_field(tok: Tokenizer, lps: Optional[list[Optional[Logprob]]
     return out
 
 
-def _finish_reason(d: CompletionDelta) -> Optional[str]:
-    if not d.finished:
-        return None
-    return "length" if d.finish_reason == "length" else "stop"
-
-
 class _Completion:
     """Turns a Generation's deltas into the response body or its stream of chunks."""
 
@@ -199,7 +194,7 @@ class _Completion:
                 texts[c] += d.new_text
                 lps[c].extend(d.new_logprobs)
                 if d.finished:
-                    finish[c], stop_reasons[c] = _finish_reason(d), d.stop_reason
+                    finish[c], stop_reasons[c] = finish_reason(d), d.stop_reason
         choices = []
         for c in range(total):
             i = c // self.n
@@ -238,7 +233,7 @@ class _Completion:
                     index=c,
                     text=text,
                     logprobs=logprobs,
-                    finish_reason=_finish_reason(d),
+                    finish_reason=finish_reason(d),
                     stop_reason=d.stop_reason if d.finished else None,
                     prompt_logprobs=self._extra_prompt_logprobs(i) if first else None,
                 )

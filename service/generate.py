@@ -179,6 +179,14 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
+def finish_reason(d: CompletionDelta) -> Optional[str]:
+    """The OpenAI finish_reason of a choice's delta: None until it finishes, then "length" when it
+    ran out of tokens and "stop" for every other end (the engine's "stop", "abort" and "error")."""
+    if not d.finished:
+        return None
+    return "length" if d.finish_reason == "length" else "stop"
+
+
 def sse(payload: BaseModel | dict) -> str:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"

@@ -6,6 +6,7 @@
 // else scalar; picked at run time) and parallel over tokens only when a batch is big enough to pay
 // for the threads.
 // engine/layers/fused.py dispatches here and keeps the torch code as reference and fallback.
+#include "bf16.h"
 #include "ops.h"
 
 #include <immintrin.h>
@@ -18,20 +19,8 @@
 namespace fused {
 namespace {
 
-inline float bf16_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using cpuserve::bf16_to_float;
+using cpuserve::float_to_bf16;
 
 struct NormArgs {
   const void* x;

@@ -12,6 +12,7 @@
 // rows across OpenMP threads (torch's own libgomp, so one thread pool), and the activation
 // quantization happens inside the same parallel region.
 #include "amx_tiles.h"
+#include "bf16.h"
 #include "ops.h"
 #include "qlinear.h"
 #include "vec512_rows.h"
@@ -35,20 +36,8 @@ namespace {
 
 // ---------------------------------------------------------------- shared helpers
 
-inline float bf16_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using cpuserve::bf16_to_float;
+using cpuserve::float_to_bf16;
 
 struct Problem {
   const uint8_t* w;
