@@ -15,20 +15,17 @@ from typing import AsyncIterator, Optional, Sequence
 
 import jinja2
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from engine.request import MAX_LOGPROBS, CompletionDelta, Logprob
 from engine.tokenizer import Tokenizer
 from service.errors import bad_request
 from service.generate import (
-    SSE_HEADERS,
-    ClientDisconnected,
     Generation,
     finish_reason,
     new_request_id,
+    respond,
     sse,
-    sse_stream,
-    unless_disconnected,
 )
 from service.protocol import (
     ChatChoice,
@@ -63,13 +60,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     params = build_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
     gen = Generation(state, new_request_id("chatcmpl"), [prompt_ids], params, req.priority)
     view = _Chat(req, engine.tokenizer, engine.model_name, gen, logprobs)
-    if req.stream:
-        return StreamingResponse(sse_stream(view.stream()), media_type="text/event-stream", headers=SSE_HEADERS)
-    try:
-        body = await unless_disconnected(raw, view.collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return Response(body.model_dump_json(), media_type="application/json")
+    return await respond(view, req.stream, raw)
 
 
 def render_chat(tok: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:

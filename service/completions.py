@@ -14,20 +14,17 @@ import time
 from typing import AsyncIterator, Optional, Sequence
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from engine.request import Logprob
 from engine.tokenizer import Tokenizer
 from service.errors import bad_request
 from service.generate import (
-    SSE_HEADERS,
-    ClientDisconnected,
     Generation,
     finish_reason,
     new_request_id,
+    respond,
     sse,
-    sse_stream,
-    unless_disconnected,
 )
 from service.protocol import (
     CompletionChoice,
@@ -61,13 +58,7 @@ async def create_completion(req: CompletionRequest, state: ServerState, raw: Req
     )
     gen = Generation(state, new_request_id("cmpl"), prompt_ids, params, req.priority)
     view = _Completion(req, engine.tokenizer, engine.model_name, gen, prompt_texts)
-    if req.stream:
-        return StreamingResponse(sse_stream(view.stream()), media_type="text/event-stream", headers=SSE_HEADERS)
-    try:
-        body = await unless_disconnected(raw, view.collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return Response(body.model_dump_json(), media_type="application/json")
+    return await respond(view, req.stream, raw)
 
 
 def _prompts(req: CompletionRequest, tok: Tokenizer) -> tuple[list[list[int]], list[str]]:

@@ -16,9 +16,10 @@ import logging
 import time
 import uuid
 from collections import Counter
-from typing import AsyncIterator, Awaitable, Optional, TypeVar
+from typing import AsyncIterator, Awaitable, Optional, Protocol, TypeVar
 
 from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from engine.async_engine import Delivery, EngineDeadError, Mailbox
@@ -194,6 +195,26 @@ def sse(payload: BaseModel | dict) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ResponseView(Protocol):
+    """What a route builds from a Generation: its stream of SSE events, or its whole body."""
+
+    def stream(self) -> AsyncIterator[str]: ...
+
+    async def collect(self) -> BaseModel: ...
+
+
+async def respond(view: ResponseView, stream: bool, raw: Request) -> Response:
+    """The route's answer: server-sent events as they come, or the whole body once done (499, the
+    nginx convention, when the client left first: nobody reads that body, and the request is aborted)."""
+    if stream:
+        return StreamingResponse(sse_stream(view.stream()), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        body = await unless_disconnected(raw, view.collect())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
