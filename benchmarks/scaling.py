@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import random
 import statistics
 import time
 
+from benchmarks.vs_transformers import random_prompts
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.request import SamplingParams
@@ -36,18 +36,15 @@ def default_threads() -> list[int]:
     return counts + [cpus] if cpus > 1 else counts
 
 
-def run(
-    engine: LLMEngine, streams: int, requests: int, input_len: int, output_len: int, rng: random.Random
-) -> tuple[float, list[float]]:
+def run(engine: LLMEngine, streams: int, prompts: list[list[int]], output_len: int) -> tuple[float, list[float]]:
     """(output tokens/s over the run, seconds of every decode-only step), ``streams`` requests in flight."""
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     sent = done = tokens = 0
     decode_steps: list[float] = []
     t0 = time.perf_counter()
-    while done < requests:
-        while sent < requests and sent - done < streams:
-            prompt = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(input_len)]
-            engine.add_request(f"r{sent}", prompt, params)
+    while done < len(prompts):
+        while sent < len(prompts) and sent - done < streams:
+            engine.add_request(f"r{sent}", prompts[sent], params)
             sent += 1
         _, stats, finished = engine.step()
         done += len(finished)
@@ -60,10 +57,14 @@ def run(
 
 def measure(threads: int, args: argparse.Namespace) -> dict[str, float]:
     engine = LLMEngine(EngineConfig(model=args.model, num_threads=threads))
-    rng = random.Random(threads)
-    run(engine, 8, 8, args.input_len, 4, rng)  # warm-up: kernels, allocator
-    _, steps = run(engine, 1, args.requests_1, args.input_len, args.output_len, rng)
-    rate, _ = run(engine, args.streams, args.requests, args.input_len, args.output_len, rng)
+    vocab = engine.model_config.vocab_size
+
+    def prompts(n: int, seed: int) -> list[list[int]]:  # every run its own, so no prefix-cache hits
+        return random_prompts(n, args.input_len, vocab, 3 * threads + seed)
+
+    run(engine, 8, prompts(8, 0), 4)  # warm-up: kernels, allocator
+    _, steps = run(engine, 1, prompts(args.requests_1, 1), args.output_len)
+    rate, _ = run(engine, args.streams, prompts(args.requests, 2), args.output_len)
     del engine
     gc.collect()
     return {"step_ms": 1e3 * statistics.median(steps), "rate": rate}
