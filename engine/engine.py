@@ -285,7 +285,7 @@ class LLMEngine:
         calls this, so first requests do not pay their page faults); returns how many."""
         n = self.kv.reserve_blocks
         self.runner.prefault_kv_cache(n)
-        self.kv.prefaulted_blocks = max(self.kv.prefaulted_blocks, n)
+        self.kv.mark_resident(n)
         return n
 
     def has_unfinished(self) -> bool:

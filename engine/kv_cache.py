@@ -137,7 +137,7 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_cached: dict[str, int] = {}  # leading blocks already registered in the cache
         self.stats = PrefixCacheStats()
-        self.prefaulted_blocks = 0  # set by LLMEngine.prefault_kv_cache
+        self.prefaulted_blocks = 0  # the lowest ids, made resident up front (mark_resident)
 
     @property
     def num_free_blocks(self) -> int:
@@ -158,6 +158,10 @@ class KVCacheManager:
         """Blocks whose memory is resident: used at least once (the pool grows until ``reserve``
         freed blocks wait), or made resident up front (``prefaulted_blocks``, the lowest ids)."""
         return max(self.pool.num_touched, self.prefaulted_blocks)
+
+    def mark_resident(self, num_blocks: int) -> None:
+        """Blocks [0, num_blocks) were made resident outside the pool (LLMEngine.prefault_kv_cache)."""
+        self.prefaulted_blocks = max(self.prefaulted_blocks, num_blocks)
 
     @property
     def usage(self) -> float:
