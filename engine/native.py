@@ -6,6 +6,12 @@ picks its instruction set per function (GCC ``target`` attributes) and is
 dispatched at run time from the CPU's flags, so one build runs on any x86-64
 host.  When the compiler or ninja is missing the engine runs on portable torch
 code; ``CPUSERVE_NATIVE=0`` forces that.
+
+A build also writes ``prebuilt.json`` beside the library: the hash of the sources,
+flags and torch version it was built from.  While that record matches, the library is
+imported directly, without torch's JIT loader, which needs a compiler and takes a lock
+file in the build folder on every load: so a container runs with a read-only root
+filesystem and an image without a compiler.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ import contextlib
 import fcntl
 import functools
 import glob
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
 import logging
 import os
 import sys
@@ -26,8 +36,62 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+_NAME = "cpuserve_C"
+_CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-Wno-unused-function"]
+_LDFLAGS = ["-fopenmp"]
+_MANIFEST = "prebuilt.json"
+
+
 def build_dir() -> str:
     return os.environ.get("CPUSERVE_BUILD_DIR") or os.path.join(_REPO, "build", "native")
+
+
+def _sources() -> list[str]:
+    return sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
+
+
+def source_fingerprint() -> str:
+    """sha256 over every file in engine/csrc, the compiler flags and torch's version: what a
+    prebuilt library must have been built from to be loaded as it is."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in glob.glob(os.path.join(_CSRC, "**", "*"), recursive=True) if os.path.isfile(p)):
+        digest.update(os.path.relpath(path, _CSRC).encode() + b"\0")
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest.update(json.dumps([_CFLAGS, _LDFLAGS, torch.__version__]).encode())
+    return digest.hexdigest()
+
+
+def write_manifest(library: str) -> None:
+    """Records that ``library`` (a path inside build_dir()) holds the current sources' build."""
+    record = {"library": os.path.basename(library), "fingerprint": source_fingerprint()}
+    tmp = os.path.join(build_dir(), _MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(build_dir(), _MANIFEST))
+
+
+def load_prebuilt() -> Optional[ModuleType]:
+    """The library a previous build recorded, imported without compiler, ninja or any write;
+    None when there is no record, or it was built from other sources, flags or torch."""
+    try:
+        with open(os.path.join(build_dir(), _MANIFEST)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    library = os.path.join(build_dir(), os.path.basename(str(record.get("library", ""))))
+    if record.get("fingerprint") != source_fingerprint() or not os.path.isfile(library):
+        return None
+    import torch  # noqa: F401 - the extension links against libtorch, loaded by this import
+
+    loader = importlib.machinery.ExtensionFileLoader(_NAME, library)
+    spec = importlib.util.spec_from_file_location(_NAME, library, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 @contextlib.contextmanager
@@ -77,23 +141,31 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
     """The compiled extension, or None (with one warning) when it cannot be built here."""
     if os.environ.get("CPUSERVE_NATIVE", "1") == "0":
         return None
-    sources = sorted(glob.glob(os.path.join(_CSRC, "*.cpp")))
+    sources = _sources()
     if not sources:
         return None
     try:
+        prebuilt = load_prebuilt()
+        if prebuilt is not None:
+            return prebuilt
         from torch.utils import cpp_extension
 
         os.makedirs(build_dir(), exist_ok=True)
         with _build_lock(), _own_ninja():
-            return cpp_extension.load(
-                name="cpuserve_C",
+            module = cpp_extension.load(
+                name=_NAME,
                 sources=sources,
                 build_directory=build_dir(),
-                extra_cflags=["-O3", "-fopenmp", "-std=c++17", "-Wno-unused-function"],
-                extra_ldflags=["-fopenmp"],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
                 extra_include_paths=[_CSRC],
                 verbose=verbose,
             )
+            try:
+                write_manifest(module.__file__)
+            except OSError as exc:  # still usable now; the next start-up goes through torch again
+                logger.warning("could not record the native build in %s: %s", build_dir(), exc)
+            return module
     except Exception as exc:  # noqa: BLE001 - any build failure means: run the portable path
         logger.warning("native kernels unavailable, using portable torch kernels: %s", str(exc).splitlines()[0])
         return None
