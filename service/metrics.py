@@ -89,6 +89,13 @@ class Metrics:
             "kv_cache_blocks_resident",
             "KV-cache blocks whose memory is resident: used at least once or made resident at start-up (live blocks' peak plus the prefix-cache reserve)",
         )
+        # An info gauge (always 1) whose labels describe the KV cache, as vLLM's cache_config_info:
+        # the Gateway API Inference Extension's endpoint picker reads block_size and num_blocks
+        # from it to model each replica's prefix cache (deploy/k8s/components/inference-pool).
+        self._cache_info = Gauge(
+            PREFIX + "cache_config_info", "KV-cache configuration in the labels: tokens per block, blocks in the cache",
+            [*label, "block_size", "num_blocks"], registry=r,
+        )
         self._healthy = gauge("engine_healthy", "1 when the engine is loaded, warmed up and running, else 0")
         self.model_name: Optional[str] = None
 
@@ -101,6 +108,8 @@ class Metrics:
         healthy: Callable[[], float],
         kv_blocks_used: Callable[[], float],
         kv_blocks_resident: Callable[[], float],
+        block_size: int,
+        num_blocks: int,
     ) -> None:
         """Name the model and create every series (zeros included, so rate() and alerts see them)."""
         self.model_name = m = model_name
@@ -123,6 +132,7 @@ class Metrics:
         self._kv_blocks.labels(m).set_function(kv_blocks_used)
         self._kv_resident.labels(m).set_function(kv_blocks_resident)
         self._healthy.labels(m).set_function(healthy)
+        self._cache_info.labels(m, str(block_size), str(num_blocks)).set(1)
 
     # --- engine thread ---------------------------------------------------------------------
 

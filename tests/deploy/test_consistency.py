@@ -29,7 +29,7 @@ def all_promql() -> list[tuple[str, str]]:
         if m:
             out.append((f"dashboard variable {v['name']}", m.group(1)))
     out += [(f"alert {r['alert']}", r["expr"]) for r in alert_rules()]
-    values = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
+    values = yaml.safe_load((K8S / "components" / "hpa" / "prometheus-adapter" / "values.yaml").read_text())
     out += [("prometheus-adapter seriesQuery", r["seriesQuery"]) for r in values["rules"]["custom"]]
     return out
 
@@ -229,6 +229,9 @@ def test_readme_metric_names_known(path, metrics):
 DOCKER_KUBECTL_PIP_FLAGS = {
     "--build-arg", "--cpus", "--cpuset-cpus", "--rm", "--build", "--extra-index-url", "--no-deps", "--memory",
     "--stop-timeout", "--name", "--from-literal", "--env", "--values", "--namespace", "--detach",
+    # kubectl run / helm / kubelet / numactl in the Kubernetes walk-through and NUMA notes
+    "--image", "--restart", "--overrides", "--create-namespace", "--cpu-manager-policy",
+    "--topology-manager-policy", "--cpunodebind", "--membind", "--threads",
 }
 
 

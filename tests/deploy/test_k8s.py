@@ -2,30 +2,69 @@
 
 from __future__ import annotations
 
+import functools
 import re
-import shutil
-import subprocess
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError
 
 from .helpers import (
-    DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT, GIB, HEALTH_PATH, K8S, METRICS_PATH, PROM, ROOT,
-    k8s_manifests, k8s_object, k8s_yaml_files, load_metrics, parse_quantity_bytes, yaml_docs,
+    ALL_COMPONENTS, COMPONENTS, COMPONENTS_DIR, CRD_DIR, DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT, GIB, HEALTH_PATH,
+    K8S, METRICS_PATH, PROM, ROOT, k8s_manifests, kustomize_build, k8s_object, k8s_yaml_files, load_metrics, parse_quantity_bytes,
+    render, render_sets, yaml_docs,
 )
 
 # The oldest Kubernetes these manifests target, and the newest the validator knows.
 K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
-CRD_GROUPS = ("monitoring.coreos.com/",)
+# Custom resources with no schema to be had offline: their required fields are checked by hand.
+UNSCHEMED_GROUPS = ("monitoring.coreos.com/",)
 POD_LABELS = {"app.kubernetes.io/name": "cpuserve"}
-ADAPTER_VALUES = K8S / "prometheus-adapter" / "values.yaml"
-COMPONENT = K8S / "components" / "prometheus-operator"
+ADAPTER_VALUES = COMPONENTS_DIR / "hpa" / "prometheus-adapter" / "values.yaml"
+COMPONENT = COMPONENTS_DIR / "prometheus-operator"
 
 
 def manifest_ids():
-    return [f"{p.relative_to(K8S)}:{d['kind']}" for p, d in k8s_manifests()]
+    return [f"{rid}:{d['kind']}/{d['metadata']['name']}" for rid, d in k8s_manifests()]
+
+
+@functools.lru_cache(maxsize=None)
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> openAPIV3Schema, from the CRDs vendored in tests/deploy/crds."""
+    out = {}
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        for crd in yaml_docs(path):
+            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+            for v in crd["spec"]["versions"]:
+                if v.get("served", True):
+                    out[(f"{group}/{v['name']}", kind)] = v["schema"]["openAPIV3Schema"]
+    return out
+
+
+def strict(schema: dict) -> dict:
+    """The schema with unknown fields refused where the API server would prune or refuse them
+    (kubectl's strict field validation): objects with properties and no preserve-unknown flag."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (strict(v) if isinstance(v, dict) else [strict(x) for x in v] if isinstance(v, list) else v)
+           for k, v in schema.items() if k != "properties"}
+    if "properties" in schema:
+        out["properties"] = {k: strict(v) for k, v in schema["properties"].items()}
+        if "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    return out
+
+
+def validate_custom_resource(doc: dict) -> None:
+    schema = crd_schemas()[(doc["apiVersion"], doc["kind"])]
+    body = dict(doc)
+    # metadata is validated by the API server's ObjectMeta, not the CRD schema
+    meta = body.pop("metadata")
+    assert meta.get("name")
+    jsonschema.validate(body, strict({**schema, "properties": {
+        k: v for k, v in schema.get("properties", {}).items() if k != "metadata"}}))
 
 
 def deployment():
@@ -55,15 +94,37 @@ def test_every_yaml_parses():
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("path,doc", list(k8s_manifests()), ids=manifest_ids())
-def test_manifest_validates(path, doc, version):
-    assert doc["metadata"].get("name"), f"{path}: metadata.name"
-    if doc["apiVersion"].startswith(CRD_GROUPS):
+@pytest.mark.parametrize("rid,doc", list(k8s_manifests()), ids=manifest_ids())
+def test_manifest_validates(rid, doc, version):
+    """Every object of the base, of the base with each component and with all of them."""
+    assert doc["metadata"].get("name"), f"{rid}: metadata.name"
+    if (doc["apiVersion"], doc["kind"]) in crd_schemas():
         with pytest.raises(SchemaNotFoundError):
             kubernetes_validate.validate(doc, version, strict=True)
-        pytest.skip(f"{doc['kind']} is a CRD ({doc['apiVersion']}): kubernetes-validate has no schema "
-                    "for it offline; test_crd_required_fields checks its required fields")
+        validate_custom_resource(doc)  # the vendored CRD's schema (GIE v1.5.0, Gateway API v1.5.1)
+        return
+    if doc["apiVersion"].startswith(UNSCHEMED_GROUPS):
+        with pytest.raises(SchemaNotFoundError):
+            kubernetes_validate.validate(doc, version, strict=True)
+        pytest.skip(f"{doc['kind']} is a CRD ({doc['apiVersion']}): no schema for it offline; "
+                    "test_crd_required_fields checks its required fields")
     kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_crd_validation_refuses_bad_objects():
+    """The CRD check is not a pass-through: a wrong type, a missing required field and an
+    unknown field each fail."""
+    pool = k8s_object("InferencePool")
+    validate_custom_resource(pool)
+    bad_port = yaml.safe_load(yaml.safe_dump(pool))
+    bad_port["spec"]["targetPorts"][0]["number"] = "8000"
+    no_picker = yaml.safe_load(yaml.safe_dump(pool))
+    del no_picker["spec"]["endpointPickerRef"]
+    unknown = yaml.safe_load(yaml.safe_dump(pool))
+    unknown["spec"]["extensionRef"] = {"name": "x"}  # the v1alpha2 field name, gone in v1
+    for doc in (bad_port, no_picker, unknown):
+        with pytest.raises(jsonschema.ValidationError):
+            validate_custom_resource(doc)
 
 
 def test_crd_required_fields():
@@ -95,50 +156,168 @@ def test_prometheusrule_equals_alerts_yml():
         "deploy/k8s/components/prometheus-operator/prometheusrule.yaml must carry alerts.yml's groups"
 
 
-def referenced_files(kustomization_dir):
-    k = yaml_docs(kustomization_dir / "kustomization.yaml")[0]
-    return k, [kustomization_dir / r for r in k.get("resources", [])]
-
-
-def test_kustomization_references_every_manifest():
-    k, resources = referenced_files(K8S)
-    assert k["kind"] == "Kustomization"
-    comp, comp_resources = referenced_files(COMPONENT)
-    assert comp["kind"] == "Component"
-    listed = resources + comp_resources
-    for path in listed:
-        assert path.is_file(), f"kustomization lists missing {path}"
-    manifest_files = {p for p, _ in k8s_manifests()}
-    assert manifest_files == set(listed), \
-        f"not in a kustomization: {sorted(map(str, manifest_files - set(listed)))}"
+def test_every_object_file_is_used():
+    """Each YAML file under deploy/k8s is a kustomization or is listed by one."""
+    listed = set()
+    for path in K8S.rglob("kustomization.yaml"):
+        k = yaml_docs(path)[0]
+        assert k["kind"] in ("Kustomization", "Component"), path
+        for entry in k.get("resources", []) + [p["path"] for p in k.get("patches", []) if "path" in p]:
+            listed.add((path.parent / entry).resolve())
+        for gen in k.get("configMapGenerator", []) + k.get("secretGenerator", []):
+            listed.update((path.parent / f.split("=")[-1]).resolve() for f in gen.get("files", []))
+    unused = [str(p.relative_to(K8S)) for p in k8s_yaml_files()
+              if p.name != "kustomization.yaml" and p.resolve() not in listed and "prometheus-adapter" not in p.parts]
+    assert not unused, f"not referenced by any kustomization: {unused}"
     text = (K8S / "kustomization.yaml").read_text()
-    assert "components/prometheus-operator" in text, "the component is offered (commented) in kustomization.yaml"
+    for c in COMPONENTS:
+        assert f"components/{c}" in text, f"{c} is offered (commented) in deploy/k8s/kustomization.yaml"
 
 
-KUSTOMIZE = shutil.which("kustomize")
-KUBECTL = shutil.which("kubectl")
+def kinds(components=()):
+    return sorted((d["kind"], d["metadata"]["name"]) for d in render(tuple(components)))
 
 
-def kustomize_build(path):
-    cmd = [KUSTOMIZE, "build", str(path)] if KUSTOMIZE else [KUBECTL, "kustomize", str(path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+def test_base_renders_without_cluster_extensions():
+    """`kubectl apply -k deploy/k8s` works on a bare cluster: no CRD, no custom metrics API."""
+    assert kinds() == [("Deployment", "cpuserve"), ("PodDisruptionBudget", "cpuserve"), ("Service", "cpuserve")]
+    top = [(d["kind"], d["metadata"]["name"]) for d in kustomize_build(K8S)]
+    assert sorted(top) == kinds()
 
 
-@pytest.mark.skipif(not (KUSTOMIZE or KUBECTL), reason="neither kustomize nor kubectl on PATH")
-def test_kustomize_build(tmp_path):
-    docs = kustomize_build(K8S)
-    assert sorted(d["kind"] for d in docs) == ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service"]
-    # with the Prometheus Operator component switched on
-    copy = tmp_path / "k8s"
-    shutil.copytree(K8S, copy)
-    k = yaml.safe_load((copy / "kustomization.yaml").read_text())
-    k["components"] = ["components/prometheus-operator"]
-    (copy / "kustomization.yaml").write_text(yaml.safe_dump(k))
-    kinds = sorted(d["kind"] for d in kustomize_build(copy))
-    assert kinds == ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "PrometheusRule",
-                     "Service", "ServiceMonitor"]
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_component_adds_what_it_says(component):
+    added = sorted(set(kinds([component])) - set(kinds()))
+    want = {
+        "hpa": [("HorizontalPodAutoscaler", "cpuserve")],
+        "prometheus-operator": [("PrometheusRule", "cpuserve"), ("ServiceMonitor", "cpuserve")],
+        "api-key": [],  # the Secret's name carries a hash: checked below
+        "model-pvc": [("PersistentVolumeClaim", "cpuserve-models")],
+        "model-hostpath": [],
+        "amx": [],
+        "inference-pool": [("Deployment", "cpuserve-epp"), ("InferencePool", "cpuserve"), ("Role", "cpuserve-epp"),
+                           ("RoleBinding", "cpuserve-epp"), ("Service", "cpuserve-epp"),
+                           ("ServiceAccount", "cpuserve-epp")],
+        "inference-gateway": [("Gateway", "cpuserve"), ("HTTPRoute", "cpuserve")],
+    }[component]
+    added = [a for a in added if a[0] not in ("Secret", "ConfigMap")]
+    assert added == want
+
+
+def test_all_components_together():
+    docs = render(ALL_COMPONENTS)
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(names) == len(set(names)), "two components make the same object"
+    assert set(kinds(ALL_COMPONENTS)) >= {k for c in ALL_COMPONENTS for k in kinds([c])
+                                           if k[0] not in ("Secret", "ConfigMap")}
+
+
+def rendered_deployment(components=()):
+    return k8s_object("Deployment", components=tuple(components))
+
+
+def test_hpa_owns_the_replica_count():
+    """Without the HPA the base runs 2 replicas; with it the Deployment carries no `replicas`,
+    so `kubectl apply` leaves the HPA's count alone."""
+    assert rendered_deployment()["spec"]["replicas"] == 2
+    assert "replicas" not in rendered_deployment(["hpa"])["spec"]
+    assert "replicas" not in rendered_deployment(ALL_COMPONENTS)["spec"]
+
+
+def test_hpa_is_opt_in_and_warns_about_the_adapter():
+    assert "HorizontalPodAutoscaler" not in [d["kind"] for d in render(())]
+    text = (COMPONENTS_DIR / "hpa" / "kustomization.yaml").read_text()
+    assert "replaces any custom-metrics adapter" in text
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    assert "replaces any custom-metrics adapter" in readme
+
+
+def test_prometheus_operator_component_drops_annotation_scraping():
+    ann = rendered_deployment(["prometheus-operator"])["spec"]["template"]["metadata"].get("annotations", {})
+    assert not any(k.startswith("prometheus.io/") for k in ann), "scraped twice: annotations and ServiceMonitor"
+
+
+def test_api_key_component_requires_a_generated_secret():
+    docs = render(("api-key",))
+    secret = [d for d in docs if d["kind"] == "Secret"]
+    assert len(secret) == 1 and secret[0]["metadata"]["name"].startswith("cpuserve-api-key-")
+    assert set(secret[0]["data"]) == {"api-key"}
+    c = rendered_deployment(["api-key"])["spec"]["template"]["spec"]["containers"][0]
+    ref = [e for e in c["env"] if e["name"] == "CPUSERVE_API_KEY"][0]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == secret[0]["metadata"]["name"], "the reference follows the hashed name"
+    assert ref["optional"] is False
+    assert "api-key.txt" in (COMPONENTS_DIR / "api-key" / ".gitignore").read_text()
+
+
+@pytest.mark.parametrize("component", ["model-pvc", "model-hostpath"])
+def test_model_volume_mounted_read_only(component):
+    spec = rendered_deployment([component])["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    mount = [m for m in c["volumeMounts"] if m["name"] == "models"]
+    assert mount == [{"name": "models", "mountPath": "/models", "readOnly": True}]
+    model = [e["value"] for e in c["env"] if e["name"] == "CPUSERVE_MODEL"]
+    assert model and model[0].startswith("/models/")
+    vol = [v for v in spec["volumes"] if v["name"] == "models"][0]
+    if component == "model-pvc":
+        assert vol["persistentVolumeClaim"] == {"claimName": "cpuserve-models", "readOnly": True}
+        assert k8s_object("PersistentVolumeClaim", "cpuserve-models", ("model-pvc",))
+    else:
+        assert vol["hostPath"]["path"].startswith("/")
+
+
+def test_amx_component_requires_the_nfd_label():
+    aff = rendered_deployment(["amx"])["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+    terms = aff["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "feature.node.kubernetes.io/cpu-cpuid.AMXBF16",
+                                            "operator": "In", "values": ["true"]}]}]
+
+
+def test_inference_pool_selects_the_pods_and_names_its_picker():
+    pool = k8s_object("InferencePool", components=("inference-pool",))
+    dep = rendered_deployment(["inference-pool"])
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [DEFAULT_PORT]
+    epp_svc = k8s_object("Service", pool["spec"]["endpointPickerRef"]["name"], ("inference-pool",))
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] in [p["port"] for p in epp_svc["spec"]["ports"]]
+    epp = k8s_object("Deployment", "cpuserve-epp", ("inference-pool",))
+    assert epp_svc["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    # The picker's pods must not fall into the pool, the Service or the PDB of the model servers.
+    assert not pool["spec"]["selector"]["matchLabels"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    image = epp["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == "registry.k8s.io/gateway-api-inference-extension/epp:v1.5.0", "pinned to the release targeted"
+
+
+def test_picker_config_matches_pod_labels_and_mount():
+    from .helpers import EPP_CONFIG, epp_engine_config, epp_plugin
+
+    label_key, engine = epp_engine_config()
+    pod_labels = rendered_deployment(["inference-pool"])["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels.get(label_key) == engine["name"], "the picker picks the engine config by this pod label"
+    assert epp_plugin("metrics-data-source")["parameters"]["path"] == METRICS_PATH
+    for field in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "cacheInfoSpec"):
+        name = engine[field].split("{")[0]
+        assert name in load_metrics(), f"{field}: {name} is not in deploy/metrics.txt"
+    info = load_metrics()[engine["cacheInfoSpec"]]
+    assert {engine["cacheBlockSizeLabelName"], engine["cacheNumBlocksLabelName"]} <= set(info.labels)
+    # the rendered ConfigMap carries the file, and the picker reads it where it is mounted
+    epp = k8s_object("Deployment", "cpuserve-epp", ("inference-pool",))["spec"]["template"]["spec"]
+    cm_name = [v for v in epp["volumes"] if v["name"] == "config"][0]["configMap"]["name"]
+    cm = k8s_object("ConfigMap", cm_name, ("inference-pool",))
+    assert yaml.safe_load(cm["data"]["config.yaml"]) == yaml_docs(EPP_CONFIG)[0]
+    args = epp["containers"][0]["args"]
+    mount = [m for m in epp["containers"][0]["volumeMounts"] if m["name"] == "config"][0]["mountPath"]
+    assert args[args.index("--config-file") + 1] == f"{mount}/config.yaml"
+    assert args[args.index("--pool-name") + 1] == k8s_object("InferencePool", components=("inference-pool",))[
+        "metadata"]["name"]
+
+
+def test_httproute_sends_to_the_pool_through_the_gateway():
+    route = k8s_object("HTTPRoute", components=("inference-gateway",))
+    gw = k8s_object("Gateway", components=("inference-gateway",))
+    assert [p["name"] for p in route["spec"]["parentRefs"]] == [gw["metadata"]["name"]]
+    backends = [b for r in route["spec"]["rules"] for b in r["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "cpuserve"}]
 
 
 def test_pod_labels_and_selectors():
@@ -212,6 +391,8 @@ def test_security_context():
     sc = container()["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["readOnlyRootFilesystem"] is True, "the kernels load without writes (engine/native.py)"
+    assert any(m["mountPath"] == "/tmp" for m in container()["volumeMounts"]), "a writable /tmp"
     assert spec.get("automountServiceAccountToken") is False
 
 

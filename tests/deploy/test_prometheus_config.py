@@ -65,5 +65,7 @@ def test_alert_rules_are_complete():
     # the alerts the brief asks for: TTFT p99, KV cache near full, error rate, preemptions, engine down
     for needle in ("histogram_quantile(0.99", "cpuserve:time_to_first_token_seconds_bucket",
                    "cpuserve:kv_cache_usage_ratio", 'finish_reason="error"', "cpuserve:preemptions_total",
-                   "cpuserve:engine_healthy", 'up{job="cpuserve"}'):
+                   "cpuserve:engine_healthy", 'up{job="cpuserve"}',
+                   # annotation scraping (job kubernetes-pods) keeps the pod label, not the job name
+                   'up{app_kubernetes_io_name="cpuserve"}'):
         assert needle in exprs, f"no alert uses {needle}"

@@ -28,8 +28,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from .helpers import (
-    HEALTH_PATH, METRICS_PATH, PROM, ROOT, SCRAPE_LABELS, alert_rules, dashboard, dashboard_exprs,
-    grafana_to_promql, load_metrics, matchers, selectors, strip_threshold, tool,
+    EPP_SPEC_FIELDS, HEALTH_PATH, METRICS_PATH, PROM, ROOT, SCRAPE_LABELS, alert_rules, dashboard,
+    dashboard_exprs, epp_engine_config, grafana_to_promql, load_metrics, matchers, parse_metric_spec, selectors,
+    strip_threshold, tool,
 )
 
 SERVICE_ROOT = Path(os.environ.get("CPUSERVE_LIVE_ROOT") or ROOT)
@@ -342,3 +343,29 @@ def test_service_stops_on_sigterm(service, prometheus, traffic):
     except subprocess.TimeoutExpired:
         pytest.fail(f"service still running 30 s after SIGTERM:\n{tail(service['log'])}")
     assert rc in (0, -signal.SIGTERM, 128 + signal.SIGTERM), f"exit code {rc}:\n{tail(service['log'])}"
+
+
+def test_endpoint_picker_reads_every_series(service, traffic):
+    """Each series the InferencePool's endpoint picker is configured to read exists on a live
+    /metrics, with the labels the config names and values the picker can use."""
+    _, engine = epp_engine_config()
+    text = httpx.get(service["base"] + METRICS_PATH, timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    read = {}
+    for field in EPP_SPEC_FIELDS:
+        if not engine.get(field):
+            continue  # an empty spec switches that scrape off in the picker
+        name, want = parse_metric_spec(engine[field])
+        assert name in families, f"{field}: {name} is not on /metrics"
+        f = families[name]
+        assert f.type == "gauge", f"{field}: the picker reads a gauge's value; {name} is a {f.type}"
+        samples = [s for s in f.samples if want.items() <= s.labels.items()]
+        assert samples, f"{field}: no {name} sample with labels {want}"
+        read[field] = samples[-1]
+    assert 0 <= read["kvUsageSpec"].value <= 1, "kv usage: a fraction"
+    assert read["queuedRequestsSpec"].value >= 0 and read["runningRequestsSpec"].value >= 0
+    info = read["cacheInfoSpec"]
+    block_size = int(info.labels[engine["cacheBlockSizeLabelName"]])
+    num_blocks = int(info.labels[engine["cacheNumBlocksLabelName"]])
+    assert block_size == 16, "the service's default --block-size"
+    assert num_blocks * block_size >= 2048, "0.5 GiB of KV cache holds more than one short context"
