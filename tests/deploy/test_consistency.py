@@ -231,7 +231,7 @@ DOCKER_KUBECTL_PIP_FLAGS = {
     "--stop-timeout", "--name", "--from-literal", "--env", "--values", "--namespace", "--detach",
     # kubectl run / helm / kubelet / numactl in the Kubernetes walk-through and NUMA notes
     "--image", "--restart", "--overrides", "--create-namespace", "--cpu-manager-policy",
-    "--topology-manager-policy", "--cpunodebind", "--membind", "--threads",
+    "--topology-manager-policy", "--cpunodebind", "--membind", "--threads", "--format", "--read-only", "--tmpfs",
 }
 
 

@@ -39,10 +39,51 @@ def test_hadolint_ignores_are_known():
     assert ignored <= ALLOWED_IGNORES, f"unexpected hadolint ignores {ignored - ALLOWED_IGNORES}"
 
 
-def test_base_image_and_torch_index():
-    assert instr("FROM") == ["python:3.11-slim"]
+def stages() -> list[list[tuple[str, str]]]:
+    """The Dockerfile's instructions split at each FROM (stage 0: the ARGs before the first)."""
+    out: list[list[tuple[str, str]]] = [[]]
+    for i, args in dockerfile_instructions():
+        if i == "FROM":
+            out.append([])
+        out[-1].append((i, args))
+    return out
+
+
+def test_base_image_pinned_by_digest_and_torch_index():
     args = dict(a.split("=", 1) for a in instr("ARG") if "=" in a)
+    assert re.fullmatch(r"python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}", args["BASE_IMAGE"]), \
+        "the base image is pinned by digest (deploy/README.md says how to move the pin)"
+    assert [f.split()[0] for f in instr("FROM")] == ["${BASE_IMAGE}", "${BASE_IMAGE}"], "both stages, one base"
     assert args.get("TORCH_INDEX_URL") == TORCH_CPU_INDEX, "a real host must get torch's CPU wheel"
+    assert "imagetools inspect" in (DEPLOY / "README.md").read_text(), "how to update the digest"
+
+
+def test_kernels_compiled_in_build_stage_and_no_compiler_at_run_time():
+    build, runtime = stages()[1], stages()[-1]
+    assert build[0][1].endswith(" AS build")
+    build_runs = " ".join(a for i, a in build if i == "RUN")
+    assert "g++" in build_runs and "python -m engine.native" in build_runs
+    assert "prebuilt.json" in build_runs, "the build keeps the record that lets the kernels load without JIT"
+    runtime_runs = " ".join(a for i, a in runtime if i == "RUN")
+    for tool_name in ("g++", "gcc", "build-essential", "clang", "apt-get install", "engine.native", "pip install"):
+        assert tool_name not in runtime_runs, f"the runtime stage runs {tool_name}"
+    copies = [a for i, a in runtime if i == "COPY"]
+    assert copies and all(a.startswith("--from=build ") for a in copies), "the runtime stage only copies from build"
+    env = lambda stage: " ".join(a for i, a in stage if i == "ENV")  # noqa: E731
+    build_dir = re.search(r"CPUSERVE_BUILD_DIR=(\S+)", env(build)).group(1)
+    assert re.search(r"CPUSERVE_BUILD_DIR=" + re.escape(build_dir) + r"\b", env(runtime)), \
+        "the runtime reads the kernels where the build stage recorded them"
+    assert any(build_dir.startswith(shlex.split(a)[-1].rstrip("/")) for a in copies), "the kernels are copied"
+
+
+def test_oci_labels():
+    labels = " ".join(a for i, a in stages()[-1] if i == "LABEL")
+    for key in ("title", "description", "version", "revision", "base.name"):
+        assert f"org.opencontainers.image.{key}=" in labels, key
+    args = dict(a.split("=", 1) for a in instr("ARG") if "=" in a)
+    import service
+
+    assert args["VERSION"] == service.__version__, "the image's version label defaults to the package's"
 
 
 def test_installs_same_requirements_as_makefile():
@@ -56,11 +97,6 @@ def test_installs_same_requirements_as_makefile():
     assert "requirements-test" not in runs, "the image installs the runtime set only"
 
 
-def test_native_kernels_prebuilt():
-    runs = " && ".join(instr("RUN"))
-    assert "python -m engine.native" in runs
-
-
 def test_copies_only_ignored_paths_allowed():
     """Everything the Dockerfile COPYs is let through by .dockerignore; .venv and .git are not."""
     lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
@@ -68,6 +104,8 @@ def test_copies_only_ignored_paths_allowed():
     assert lines[0] == "*", ".dockerignore starts by excluding everything"
     allowed = {l[1:].rstrip("/") for l in lines if l.startswith("!")}
     for args in instr("COPY"):
+        if args.startswith("--from="):
+            continue  # from another stage, not the build context
         for src in shlex.split(args)[:-1]:
             if not src.startswith("--"):
                 assert src.rstrip("/") in allowed, f"COPY {src} is excluded by .dockerignore"

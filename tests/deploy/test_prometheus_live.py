@@ -36,6 +36,7 @@ from .helpers import (
 SERVICE_ROOT = Path(os.environ.get("CPUSERVE_LIVE_ROOT") or ROOT)
 STARTUP_TIMEOUT = float(os.environ.get("CPUSERVE_LIVE_STARTUP_TIMEOUT", "150"))
 SCRAPE_JOB = "cpuserve"
+ANNOTATION_JOB = "kubernetes-pods"
 
 pytestmark = pytest.mark.skipif(
     not (SERVICE_ROOT / "service" / "__main__.py").exists(),
@@ -125,6 +126,16 @@ def prometheus(service, tmp_path_factory):
             "scrape_interval": "1s",
             "scrape_timeout": "1s",
             "static_configs": [{"targets": [f"127.0.0.1:{service['port']}"]}],
+        }, {
+            # What Kubernetes annotation scraping makes of a cpuserve pod: job kubernetes-pods,
+            # the pod label app.kubernetes.io/name copied as app_kubernetes_io_name (the
+            # community chart's labelmap), which CpuserveTargetDown matches on.
+            "job_name": ANNOTATION_JOB,
+            "metrics_path": METRICS_PATH,
+            "scrape_interval": "1s",
+            "scrape_timeout": "1s",
+            "static_configs": [{"targets": [f"127.0.0.1:{service['port']}"],
+                                "labels": {"app_kubernetes_io_name": "cpuserve"}}],
         }],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -329,20 +340,11 @@ def test_alert_rules_evaluate(prometheus, traffic):
 def test_engine_healthy_and_target_up(prometheus, traffic):
     api = prometheus["api"]
     assert [float(s["value"][1]) for s in query(api, f'up{{job="{SCRAPE_JOB}"}}')] == [1.0]
+    pod = query(api, f'up{{job="{ANNOTATION_JOB}", app_kubernetes_io_name="cpuserve"}}')
+    assert [float(s["value"][1]) for s in pod] == [1.0]
     healthy = query(api, "cpuserve:engine_healthy")
     assert healthy and all(float(s["value"][1]) == 1.0 for s in healthy), healthy
     assert all(s["metric"].get("model_name") for s in healthy), healthy
-
-
-def test_service_stops_on_sigterm(service, prometheus, traffic):
-    """Last: SIGTERM drains and exits within --shutdown-timeout (5 s) plus a margin."""
-    proc = service["proc"]
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        rc = proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"service still running 30 s after SIGTERM:\n{tail(service['log'])}")
-    assert rc in (0, -signal.SIGTERM, 128 + signal.SIGTERM), f"exit code {rc}:\n{tail(service['log'])}"
 
 
 def test_endpoint_picker_reads_every_series(service, traffic):
@@ -369,3 +371,15 @@ def test_endpoint_picker_reads_every_series(service, traffic):
     num_blocks = int(info.labels[engine["cacheNumBlocksLabelName"]])
     assert block_size == 16, "the service's default --block-size"
     assert num_blocks * block_size >= 2048, "0.5 GiB of KV cache holds more than one short context"
+
+
+def test_service_stops_on_sigterm(service, prometheus, traffic):
+    """Last: SIGTERM drains and exits within --shutdown-timeout (5 s) plus a margin."""
+    proc = service["proc"]
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"service still running 30 s after SIGTERM:\n{tail(service['log'])}")
+    assert rc in (0, -signal.SIGTERM, 128 + signal.SIGTERM), f"exit code {rc}:\n{tail(service['log'])}"
+
