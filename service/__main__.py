@@ -29,6 +29,8 @@ from engine.config import (
 )
 from engine.loader import ModelLoadError, resolve_model_path
 from service.config import DEFAULT_MAX_REQUEST_BYTES, ServiceConfig
+from service.logs import LOG_FORMATS
+from service.logs import configure as configure_logging
 
 ENV_PREFIX = "CPUSERVE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -106,6 +108,13 @@ def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentPa
     add("--threads", "threads for the model's math (default: OMP_NUM_THREADS, else the CPUs this process may use)", type=int)
     add("--shutdown-timeout", "seconds in-flight requests get to finish after SIGTERM", type=float, default=30.0)
     add("--log-level", "log level", choices=LOG_LEVELS, default="info")
+    add(
+        "--log-format",
+        "'json' writes one JSON object per line (time, level, logger, message, request_id) for log "
+        "collectors; request ids come from the X-Request-Id header or are generated; prompts are never logged",
+        choices=list(LOG_FORMATS),
+        default="text",
+    )
     parser.add_argument("--version", action="version", version=f"cpuserve {service.__version__}")
     return parser
 
@@ -172,9 +181,7 @@ class _Server(uvicorn.Server):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
+    configure_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
         resolve_model_path(config.engine.model)  # a wrong path fails here, in one line, before anything starts

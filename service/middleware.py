@@ -1,4 +1,5 @@
-"""The gate every HTTP request passes before a route: API key, body size, drain; and HTTP metrics.
+"""The gate every HTTP request passes before a route: API key, body size, drain; HTTP metrics;
+and the request id (X-Request-Id in, the same id out, on every log line about the request).
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware, which gets in the way of streaming and of
 disconnect detection).  ``/health`` and ``/metrics`` never need the key (compared in constant
@@ -18,6 +19,7 @@ from typing import Optional
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import APIError
+from service.logs import REQUEST_ID_HEADER, current_request_id, request_id_from
 from service.state import ServerState
 
 logger = logging.getLogger("service.errors")
@@ -53,11 +55,15 @@ class GateMiddleware:
         path = scope["path"]
         status = 500  # if the app raises before answering
         started = False
+        request_id = request_id_from(scope["headers"])
+        id_token = current_request_id.set(request_id)
 
         async def send_and_record(message: Message) -> None:
             nonlocal status, started
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
+                headers = [h for h in message.get("headers", []) if h[0].lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, request_id.encode("latin-1"))]}
             await send(message)
 
         try:
@@ -80,6 +86,7 @@ class GateMiddleware:
             await APIError(500, "internal server error").response()(scope, receive, send_and_record)
         finally:
             self.state.metrics.http_response(path if path in ROUTES else "other", status)
+            current_request_id.reset(id_token)
 
     def _check(self, scope: Scope) -> Optional[APIError]:
         if scope["path"] in OPEN_PATHS:
