@@ -49,7 +49,7 @@ $(MODEL_STAMP): $(VENV)/.stamp-runtime
 	rm -f $(VENV)/.stamp-model-*
 	touch $@
 
-$(VENV)/.stamp-test: requirements-test.txt $(VENV)/.stamp-runtime
+$(VENV)/.stamp-test: requirements-test.txt requirements-otel.txt $(VENV)/.stamp-runtime
 	$(PIP) install $(PIP_INDEX_ARGS) -r requirements-test.txt
 	touch $@
 

@@ -115,6 +115,11 @@ def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentPa
         choices=list(LOG_FORMATS),
         default="text",
     )
+    add(
+        "--otlp-traces-endpoint",
+        "send OpenTelemetry traces (a span per request: queue, prefill, decode) to this OTLP/HTTP "
+        "collector URL, e.g. http://otel-collector:4318/v1/traces; needs pip install -r requirements-otel.txt",
+    )
     parser.add_argument("--version", action="version", version=f"cpuserve {service.__version__}")
     return parser
 
@@ -194,6 +199,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from service.state import ServerState
 
     state = ServerState(config, Metrics())
+    if args.otlp_traces_endpoint:
+        from service.tracing import Tracer
+
+        try:
+            state.tracer = Tracer(args.otlp_traces_endpoint, lambda: state.metrics.model_name)
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     app = create_app(config, state)
     server = _Server(
         uvicorn.Config(
@@ -224,7 +237,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # exit 0 rather than die of the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if state.tracer is not None:
+            state.tracer.shutdown()  # send the spans still batched
     if state.loading:
         # Stopped (SIGTERM) while the model was still loading: the loader thread is inside torch,
         # and finalizing the interpreter under it aborts the process ("terminate called without

@@ -22,6 +22,7 @@ from engine.async_engine import AsyncEngine, Delivery, EngineDeadError, Mailbox,
 from engine.engine import LLMEngine, RequestError
 from engine.loader import ModelLoadError
 from engine.request import SamplingParams
+from engine.stats import RequestStats
 from service import faults
 from service.config import ServiceConfig
 from service.errors import APIError
@@ -29,6 +30,7 @@ from service.metrics import Metrics
 
 if TYPE_CHECKING:
     from service.generate import Generation
+    from service.tracing import Tracer
 
 logger = logging.getLogger("service")
 
@@ -52,6 +54,8 @@ class ServerState:
         self.on_engine_dead: Callable[[], None] = lambda: None
         self.created = int(time.time())
         self.generations: "weakref.WeakSet[Generation]" = weakref.WeakSet()  # in flight, for the drain
+        # service.tracing.Tracer when --otlp-traces-endpoint is set: also told of every finished request.
+        self.tracer: Optional["Tracer"] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._load_thread: Optional[threading.Thread] = None
 
@@ -82,8 +86,16 @@ class ServerState:
             logger.exception("loading the model failed")
             self._fail(f"{type(exc).__name__}: {exc}")
             return
+        on_finish = self.metrics.on_finish
+        if self.tracer is not None:
+            record, trace = self.metrics.on_finish, self.tracer.on_finish
+
+            def on_finish(r: RequestStats) -> None:
+                record(r)
+                trace(r)
+
         async_engine = AsyncEngine(
-            engine, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish, on_dead=self._engine_thread_died
+            engine, on_step=self.metrics.on_step, on_finish=on_finish, on_dead=self._engine_thread_died
         )
         if faults.enabled():
             faults.install(engine)

@@ -37,7 +37,7 @@ CLI_FLAGS = {
     "--model", "--host", "--port", "--dtype", "--served-model-name", "--max-num-seqs",
     "--max-num-batched-tokens", "--max-model-len", "--kv-cache-gb", "--prefix-cache-gb", "--kv-cache-dtype",
     "--block-size", "--max-queue", "--max-request-bytes", "--api-key", "--threads",
-    "--shutdown-timeout", "--log-level", "--log-format",
+    "--shutdown-timeout", "--log-level", "--log-format", "--otlp-traces-endpoint",
 }
 DEFAULT_SHUTDOWN_TIMEOUT = 30
 # CPUSERVE_* variables that are not flags: engine/native.py's build folder and switch.

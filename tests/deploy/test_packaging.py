@@ -54,7 +54,7 @@ def test_test_requirements_build_on_runtime():
     first = next(l.strip() for l in (ROOT / "requirements-test.txt").read_text().splitlines()
                  if l.strip() and not l.startswith("#"))
     assert first == "-r requirements.txt", "requirements-test.txt must start with -r requirements.txt"
-    assert includes == ["requirements.txt"]
+    assert includes == ["requirements.txt", "requirements-otel.txt"]
     missing = TEST_DIRECT - set(pins) - set(read_pins("requirements.txt")[1])
     assert not missing, f"requirements-test.txt lacks {sorted(missing)}"
     _, runtime = read_pins("requirements.txt")
@@ -62,9 +62,19 @@ def test_test_requirements_build_on_runtime():
     assert not clash, f"pinned differently in the two files: {clash}"
 
 
+def test_optional_otel_requirements_are_pinned():
+    includes, pins = read_pins("requirements-otel.txt")
+    assert includes == []
+    assert {"opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"} <= set(pins)
+    _, runtime = read_pins("requirements.txt")
+    assert not set(pins) & set(runtime), "requirements-otel.txt adds to requirements.txt, repeats nothing"
+    assert "opentelemetry-api" in runtime, "the SDK's API comes with the runtime set"
+
+
 def test_venv_matches_pins():
     """The environment running the tests (make install-test) holds exactly the pinned versions."""
     _, pins = read_pins("requirements.txt")
+    pins.update(read_pins("requirements-otel.txt")[1])
     pins.update(read_pins("requirements-test.txt")[1])
     wrong = {}
     for name, want in pins.items():
