@@ -16,6 +16,14 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2")
 WEIGHT_QUANTS = ("auto", "q8_0", "none")
 LARGE_BATCH_MATMULS = ("auto", "int8_rows", "int8", "dense")
+# Default most memory the row-int8 copies of the weights may take ("auto" large-batch matmuls; one
+# byte per weight): the 135M default model's 129 MiB fit, a 0.5-1B model's 0.4-1.1 GB do not,
+# which keeps a model's idle memory near its file's size (they buy 1.1-1.45x on large batches).
+ROWS_INT8_BUDGET_GB = 0.25
+# Most KV-cache memory the default prefix-cache reserve (CacheConfig.prefix_cache_gb) takes; the
+# server makes the reserve resident at start-up, and one full context of a long-context model
+# (Llama 3.2's 131k tokens: 2.2 GB at int8) is far more than a cache of recent prefixes needs.
+PREFIX_CACHE_MAX_GB = 0.25
 
 
 @dataclass
@@ -70,8 +78,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Finished requests' blocks kept as cached prefixes before the pool recycles them instead of
     # touching more of its memory (kv_cache.BlockPool); None: 1/32 of the pool, at least one full
-    # context.  The pool's resident part then stops at the peak of live blocks plus this; the
-    # server's warm-up makes this much resident up front (LLMEngine.prefault_kv_cache).
+    # context, at most PREFIX_CACHE_MAX_GB.  The pool's resident part then stops at the peak of live
+    # blocks plus this; the server's warm-up makes this much resident up front
+    # (LLMEngine.prefault_kv_cache).
     prefix_cache_gb: Optional[float] = None
     num_blocks: Optional[int] = None  # overrides kv_cache_gb; tests use it to force preemption
 
@@ -116,8 +125,12 @@ class EngineConfig:
     # does so up to 19 rows (Q4 weights; Q8_0: 7) and from there uses a copy of the weights as
     # int8 with one scale per row (1.1-1.45x faster again, ~1 byte per weight more memory,
     # where AVX-512 VNNI exists; elsewhere it acts as "int8"); "dense" uses the dense matmul;
-    # "auto": int8_rows for bfloat16 runs, dense for float32 ones.
+    # "auto": int8_rows for bfloat16 runs while the copies fit rows_int8_budget_gb (else int8),
+    # dense for float32 ones.
     large_batch_matmul: str = "auto"
+    # "auto" large-batch matmuls make the row-int8 copies only when they take at most this many
+    # GiB ("int8_rows" makes them whatever they take); the engine logs the decision and the bytes.
+    rows_int8_budget_gb: float = ROWS_INT8_BUDGET_GB
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -130,6 +143,8 @@ class EngineConfig:
             raise ValueError(
                 f"large_batch_matmul must be one of {LARGE_BATCH_MATMULS}, got {self.large_batch_matmul!r}"
             )
+        if self.rows_int8_budget_gb < 0:
+            raise ValueError(f"rows_int8_budget_gb must not be negative, got {self.rows_int8_budget_gb}")
         kv = self.cache.kv_cache_dtype
         if kv in _DTYPES and kv != self.dtype:
             raise ValueError(f"kv_cache_dtype {kv} needs dtype {kv} (this run's dtype is {self.dtype})")

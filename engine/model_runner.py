@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Collection, Optional
 
 import numpy as np
 import torch
@@ -68,8 +68,9 @@ class ModelRunner:
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.kv_caches: list[torch.Tensor] = []
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.model.load_weights(weights)
+    def load_weights(self, weights: dict[str, torch.Tensor], absent: Collection[str] = ()) -> None:
+        """The model's weights (LlamaForCausalLM.load_weights; ``absent``: those served from GGUF blocks)."""
+        self.model.load_weights(weights, absent)
         self.model.eval()
 
     def prefault_kv_cache(self, num_blocks: int) -> None:

@@ -22,6 +22,8 @@ import service
 from engine.config import (
     KV_CACHE_DTYPES,
     LARGE_BATCH_MATMULS,
+    PREFIX_CACHE_MAX_GB,
+    ROWS_INT8_BUDGET_GB,
     WEIGHT_QUANTS,
     CacheConfig,
     EngineConfig,
@@ -86,9 +88,17 @@ def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentPa
         "batches above the small-batch limit (prefill, big decode batches): 'int8_rows' runs the packed "
         "weights with int8 activations and, from a batch size timed at load (6-20 rows; Q8_0: 8), row-scaled "
         "int8 copies of them (faster, ~1 byte per weight more memory; AVX-512 VNNI only, elsewhere as 'int8'); 'int8' the packed weights "
-        "only; 'dense' the dense matmul; 'auto' int8_rows for bfloat16 and dense for float32",
+        "only; 'dense' the dense matmul; 'auto' int8_rows for bfloat16 while the copies fit --rows-int8-budget-gb "
+        "(else int8), and dense for float32",
         choices=list(LARGE_BATCH_MATMULS),
         default="auto",
+    )
+    add(
+        "--rows-int8-budget-gb",
+        "most memory (GiB) the row-int8 weight copies of --large-batch-matmul auto may take; beyond it they are "
+        "not made (the start-up log says which, and their size)",
+        type=float,
+        default=ROWS_INT8_BUDGET_GB,
     )
     add("--served-model-name", "the model name clients send and responses carry (default: from the model file)")
     add("--max-num-seqs", "most sequences in one batch (continuous batching)", type=int, default=64)
@@ -99,7 +109,7 @@ def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentPa
         type=int,
     )
     add("--kv-cache-gb", "KV-cache size in GiB (default: a quarter of available memory, 0.5 to 8)", type=float)
-    add("--prefix-cache-gb", "memory finished requests' KV blocks may keep as cached prefixes before they are reused; made resident at start-up, and the cache's resident memory stops at its live blocks plus this (default: 1/32 of --kv-cache-gb, at least one full context)", type=float)
+    add("--prefix-cache-gb", f"memory finished requests' KV blocks may keep as cached prefixes before they are reused; made resident at start-up, and the cache's resident memory stops at its live blocks plus this (default: 1/32 of --kv-cache-gb, at least one full context, at most {PREFIX_CACHE_MAX_GB:g})", type=float)
     add("--kv-cache-dtype", "KV-cache storage type: auto is int8 (one scale per token and kv head) for bfloat16 runs with native attention kernels (AVX-512 VNNI or AVX2), else the run's dtype; int8 and fp8 take about half of bf16's memory", choices=list(KV_CACHE_DTYPES), default="auto")
     add("--block-size", "tokens per KV-cache block (a multiple of 8)", type=int, default=16)
     add("--max-queue", "most sequences (a request with n choices counts n) waiting for a batch slot; beyond it requests get 429 with Retry-After", type=int, default=1024)
@@ -137,6 +147,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         raise ValueError("--max-model-len must be at least 2")
     if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
         raise ValueError("--kv-cache-gb must be positive")
+    if args.rows_int8_budget_gb < 0:
+        raise ValueError("--rows-int8-budget-gb must not be negative")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must not be negative")
     extra = {"num_threads": args.threads} if args.threads is not None else {}
@@ -145,6 +157,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         dtype=args.dtype,
         weight_quant=args.weight_quant,
         large_batch_matmul=args.large_batch_matmul,
+        rows_int8_budget_gb=args.rows_int8_budget_gb,
         served_model_name=args.served_model_name,
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype,
                           prefix_cache_gb=args.prefix_cache_gb),

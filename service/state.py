@@ -227,7 +227,8 @@ def _warm_up(engine: LLMEngine) -> None:
     and the prefix-cache reserve's KV blocks made resident, so the first requests' do not fault."""
     t0 = time.monotonic()
     blocks = engine.prefault_kv_cache()
-    logger.info("made %d KV-cache blocks resident in %.2fs", blocks, time.monotonic() - t0)
+    logger.info("made %d KV-cache blocks (the prefix-cache reserve, %.0f MiB) resident in %.2fs",
+                blocks, blocks * engine.kv_block_bytes / 2**20, time.monotonic() - t0)
     t0 = time.monotonic()
     ids = engine.tokenizer.encode("Hello") or [0]
     engine.add_request("warmup", ids, SamplingParams(max_tokens=2, temperature=0.0))

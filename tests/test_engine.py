@@ -191,6 +191,29 @@ def test_prefix_cache_reserve_bounds_the_resident_cache(loaded):
     assert outputs == [run(make_engine(loaded), [p])[0]["0"] for p in PROMPTS[:6]]
 
 
+def test_prefix_cache_reserve_is_capped_in_bytes(loaded, caplog):
+    """One full context of a long-context model is more than a cache of recent prefixes needs, and
+    the server makes the reserve resident at start-up: by default it stops at PREFIX_CACHE_MAX_GB,
+    and the start-up log gives it in blocks, tokens and MiB; an explicit --prefix-cache-gb still wins."""
+    from engine.config import PREFIX_CACHE_MAX_GB
+
+    def engine(max_model_len: int, **cache) -> LLMEngine:
+        cfg = EngineConfig(model="default", dtype="float32", weight_quant="none",
+                           cache=CacheConfig(num_blocks=1024, **cache), scheduler=SchedulerConfig(max_model_len=max_model_len))
+        return LLMEngine(cfg, loaded=loaded)
+
+    with caplog.at_level("INFO", logger="engine.engine"):
+        long_context = engine(8192)  # one context: 512 blocks of 737 KiB (float32 KV), 368 MiB
+    cap = int(PREFIX_CACHE_MAX_GB * 2**30) // long_context.kv_block_bytes
+    assert 8192 // 16 > cap == long_context.kv.reserve_blocks
+    assert long_context.kv.reserve_blocks * long_context.kv_block_bytes <= PREFIX_CACHE_MAX_GB * 2**30
+    ready = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready"))
+    mib = cap * long_context.kv_block_bytes / 2**20
+    assert f"cached prefixes keep up to {cap} freed blocks = {cap * 16} tokens, {mib:.0f} MiB" in ready
+    assert engine(256).kv.reserve_blocks == 32  # 1/32 of the pool, above one context's 16, below the cap
+    assert engine(8192, prefix_cache_gb=0.5).kv.reserve_blocks > cap
+
+
 def test_abort_at_every_stage_frees_every_block(loaded):
     engine = make_engine(loaded, max_batched=8)
     long_prompt = "word " * 40

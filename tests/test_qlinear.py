@@ -778,26 +778,30 @@ def test_float32_out_is_the_unrounded_result(isa, m):
 
 def test_engine_builds_row_int8_copies_by_default(smollm2_reader):
     """A bfloat16 engine on the default model keeps a row-int8 copy of every packed projection
-    (where the fast kernel exists); "int8" and float32 runs keep none.  Where the packed copies
-    serve every batch size the dense weights are freed, except the LM head's (the tied
-    embedding); float32 runs send large batches to the dense matmul and keep them all."""
+    (where the fast kernel exists: they fit the default budget); "int8" and float32 runs keep none.
+    Where the packed copies serve every batch size no dense weight is kept, the tied LM head's
+    included: the embedding is looked up from its blocks.  float32 runs send large batches to the
+    dense matmul and keep them all, the embedding sharing the head's."""
     from engine.config import CacheConfig, EngineConfig
     from engine.engine import LLMEngine
+    from engine.layers.embedding import BlockEmbedding
     from engine.layers.linear import Linear as L
 
-    def copies(cfg: EngineConfig) -> tuple[int, int, int]:
+    def copies(cfg: EngineConfig) -> tuple[int, int, int, bool]:
         eng = LLMEngine(cfg)
         model = eng.runner.model
         lins = [mod for mod in model.modules() if isinstance(mod, L) and mod.packed is not None]
-        assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight.numel() > 0
+        blocks = isinstance(model.embed_tokens, BlockEmbedding)
+        if not blocks:
+            assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight.numel() > 0
         dense = sum(mod.weight.numel() > 0 for mod in lins)
-        return len(lins), sum(mod.rows_int8 is not None for mod in lins), dense
+        return len(lins), sum(mod.rows_int8 is not None for mod in lins), dense, blocks
 
-    packed, rows, dense = copies(EngineConfig(model="default", cache=CacheConfig(num_blocks=16)))
-    assert packed == 4 * 30 + 1 and dense == 1
+    packed, rows, dense, blocks = copies(EngineConfig(model="default", cache=CacheConfig(num_blocks=16)))
+    assert packed == 4 * 30 + 1 and dense == 0 and blocks
     assert rows == (packed if Q.rows_int8_fast() else 0)
-    assert copies(EngineConfig(model="default", large_batch_matmul="int8", cache=CacheConfig(num_blocks=16)))[1:] == (0, 1)
-    assert copies(EngineConfig(model="default", dtype="float32", cache=CacheConfig(num_blocks=16)))[1:] == (0, packed)
+    assert copies(EngineConfig(model="default", large_batch_matmul="int8", cache=CacheConfig(num_blocks=16)))[1:] == (0, 0, True)
+    assert copies(EngineConfig(model="default", dtype="float32", cache=CacheConfig(num_blocks=16)))[1:] == (0, packed, False)
 
 
 @pytest.mark.parametrize("units", [0, 1, 7, 1000])

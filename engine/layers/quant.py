@@ -427,20 +427,29 @@ def dequantize_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> 
 # ---------------------------------------------------------------- constructors
 
 
+def packable(tensors: Sequence["GGUFTensor"]) -> bool:
+    """Whether :func:`pack_gguf` packs these tensors' row-concatenation: a kernel for their qtype
+    (:data:`QTYPE_IDS`, the one list of packable types), one qtype and width, K a multiple of 32,
+    and the native extension."""
+    if not tensors:
+        return False
+    qtype = tensors[0].qtype
+    k = int(tensors[0].shape[1])
+    if qtype not in QTYPE_IDS or k % BLOCK or any(t.qtype != qtype or int(t.shape[1]) != k for t in tensors):
+        return False
+    return native_available()
+
+
 def pack_gguf(
     tensors: Sequence["GGUFTensor"], isa: Optional[str] = None, act_bits: Optional[int] = None
 ) -> Optional[PackedWeight]:
     """Pack the row-concatenation of GGUF tensors (e.g. q, k, v -> qkv_proj), or None when there is
     no kernel for them: a qtype other than Q4_0/Q4_1/Q8_0, mixed qtypes or widths, K not a
     multiple of 32, or no native extension."""
-    if not tensors:
+    if not packable(tensors):
         return None
     qtype = tensors[0].qtype
     k = int(tensors[0].shape[1])
-    if qtype not in QTYPE_IDS or k % BLOCK or any(t.qtype != qtype or int(t.shape[1]) != k for t in tensors):
-        return None
-    if not native_available():
-        return None
     n = sum(int(t.shape[0]) for t in tensors)
     raw = tensors[0].data if len(tensors) == 1 else torch.cat([t.data for t in tensors], dim=0)
     return PackedWeight(pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, act_bits)
@@ -519,6 +528,49 @@ def attach_packed(
     return True
 
 
+def _large_batch_packed(model: nn.Module) -> list["Linear"]:
+    """The model's Linears whose large batches run on their packed blocks (those a row-int8 copy can serve)."""
+    from engine.layers.linear import Linear
+
+    return [m for m in model.modules() if isinstance(m, Linear) and m.packed is not None and m.large_act_bits]
+
+
+def rows_int8_bytes(model: nn.Module) -> int:
+    """Bytes the row-int8 copies of the model's large-batch packed Linears take (or would): one
+    byte per weight plus a float32 scale per row, rows padded to whole groups of 16."""
+    total = 0
+    for lin in _large_batch_packed(model):
+        n, k = lin.packed.shape
+        rows = -(-n // GROUP_ROWS) * GROUP_ROWS
+        total += rows * k + 4 * rows
+    return total
+
+
+def rows_int8_decision(cost: int, budget: Optional[int]) -> tuple[bool, str]:
+    """Whether to make the row-int8 copies that take ``cost`` bytes, under a budget of ``budget``
+    bytes (None: the user asked for them whatever they take), and why, for the start-up log."""
+    mib = f"{cost / 2**20:.0f} MiB"
+    if budget is None:
+        return True, f"on ({mib}): --large-batch-matmul int8_rows"
+    if cost <= budget:
+        return True, f"on ({mib}, within the {budget / 2**20:.0f} MiB budget of --rows-int8-budget-gb)"
+    return False, (
+        f"off: they would take {mib}, over the {budget / 2**20:.0f} MiB budget of --rows-int8-budget-gb "
+        "(raise it, or --large-batch-matmul int8_rows, to make them)"
+    )
+
+
+def attach_rows_int8(model: nn.Module) -> int:
+    """Give each large-batch packed Linear its row-int8 copy (what ``attach_packed(..., rows_int8=True)``
+    does one at a time), for when the engine has decided they fit its budget; returns their bytes."""
+    total = 0
+    for lin in _large_batch_packed(model):
+        if lin.rows_int8 is None:
+            lin.rows_int8 = rows_int8_from(lin.packed)
+        total += lin.rows_int8.nbytes
+    return total
+
+
 def release_dense_weights(model: nn.Module) -> int:
     """Free the dense weight of every Linear whose packed copies serve every batch size (packed
     with ``large_act_bits``: small batches on the blocks, large ones on the blocks or the row-int8
@@ -541,6 +593,56 @@ _MERGED = {
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.down_proj": ("mlp.down_proj",),
 }
+
+
+_MERGED_INTO = {src: merged for merged, srcs in _MERGED.items() for src in srcs}
+EMBEDDING = "model.embed_tokens.weight"
+_UNQUANTIZED = ("F32", "F16", "BF16")
+
+
+def _linear_sources(name: str, gguf_tensors: dict[str, "GGUFTensor"]) -> list[str]:
+    """HF names of the GGUF weights whose rows make the model's Linear ``name`` (``lm_head`` or
+    ``layers.<i>.<self_attn|mlp>.<proj>``): q, k, v for qkv_proj; the token embedding for a tied head."""
+    if name == "lm_head":
+        return ["lm_head.weight"] if "lm_head.weight" in gguf_tensors else [EMBEDDING]
+    parts = name.split(".")
+    base, key = ".".join(parts[:-2]), ".".join(parts[-2:])
+    return [f"model.{base}.{s}.weight" for s in _MERGED.get(key, (key,))]
+
+
+def _gguf_linears(gguf_tensors: dict[str, "GGUFTensor"]) -> set[str]:
+    """Module names of the Linears that these GGUF weights (HF names) make: the inverse of _linear_sources."""
+    names = {"lm_head"}
+    for hf in gguf_tensors:
+        parts = hf.removeprefix("model.").removesuffix(".weight").split(".")  # layers.<i>.<block>.<proj>
+        if len(parts) == 4 and parts[0] == "layers" and ".".join(parts[2:]) in _MERGED_INTO:
+            names.add(".".join(parts[:2]) + "." + _MERGED_INTO[".".join(parts[2:])])
+    return names
+
+
+def dense_free_weights(gguf_tensors: dict[str, "GGUFTensor"], tied: bool, large_act_bits: int) -> set[str]:
+    """HF names of the GGUF weights the engine serves from their blocks alone, so the loader need
+    not dequantize them (``engine.loader.SkipDense``).
+
+    A projection's weights when :func:`attach_gguf_weights` packs them and large batches use the
+    packed blocks too (``large_act_bits``: then :func:`release_dense_weights` frees the dense copy);
+    with dense large batches every projection keeps its dense weight.  The token embedding when it
+    is quantized and nothing else reads its dense rows: untied, or tied to a head served so
+    (engine.layers.embedding then dequantizes the rows a step looks up).  Empty without the native
+    extension (nothing is packed).
+    """
+    if not native_available():
+        return set()
+    free: set[str] = set()
+    if large_act_bits:
+        for name in _gguf_linears(gguf_tensors):
+            sources = _linear_sources(name, gguf_tensors)
+            if all(s in gguf_tensors for s in sources) and packable([gguf_tensors[s] for s in sources]):
+                free.update(sources)
+    embedding = gguf_tensors.get(EMBEDDING)
+    if embedding is not None and embedding.qtype not in _UNQUANTIZED and not tied:
+        free.add(EMBEDDING)
+    return free
 
 
 def choose_rows_int8_switch(best: dict[tuple[int, str], float]) -> int:
@@ -633,13 +735,7 @@ def attach_gguf_weights(
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
-        sources: list[str]
-        if name == "lm_head":
-            sources = ["lm_head.weight"] if "lm_head.weight" in gguf_tensors else ["model.embed_tokens.weight"]
-        else:
-            parts = name.split(".")  # layers.<i>.<self_attn|mlp>.<proj>
-            base, key = ".".join(parts[:-2]), ".".join(parts[-2:])
-            sources = [f"model.{base}.{s}.weight" for s in _MERGED.get(key, (key,))]
+        sources = _linear_sources(name, gguf_tensors)
         packed = None
         if all(s in gguf_tensors for s in sources):
             packed = pack_gguf([gguf_tensors[s] for s in sources])

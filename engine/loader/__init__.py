@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Collection, Optional
 
 import torch
 
@@ -43,12 +43,22 @@ class GGUFTensor:
     qtype: str
     data: torch.Tensor
     shape: tuple[int, int]
+    # Where ``data`` starts in the file when it is the file's own bytes in the file's order (a
+    # view of the memory map), so a user of a few rows can map just this tensor; None for rows
+    # the loader reordered (llama q/k).
+    file_offset: Optional[int] = None
+
+
+# Given the model's config and the raw blocks of every 2-D GGUF weight (HF names), the names whose
+# dense copy the caller will never read (it serves them from the blocks): the loader skips them.
+SkipDense = Callable[[ModelConfig, dict[str, GGUFTensor]], Collection[str]]
 
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names, dense, requested dtype; no lm_head.weight when tied
+    # HF names, dense, requested dtype; no lm_head.weight when tied, none of the load's skip_dense names
+    weights: dict[str, torch.Tensor]
     tokenizer: "Tokenizer"
     gguf_tensors: dict[str, GGUFTensor] = field(default_factory=dict)  # 2-D weights only; empty for HF dirs
     source: str = ""
@@ -105,8 +115,11 @@ def resolve_model_path(model: str) -> str:
     return path
 
 
-def load_model(model: str, dtype: torch.dtype, progress: Optional[ProgressFn] = None) -> LoadedModel:
-    """Load ``model`` ("default", a ``.gguf`` file, or a Hugging Face directory) with weights in ``dtype``.
+def load_model(
+    model: str, dtype: torch.dtype, progress: Optional[ProgressFn] = None, skip_dense: Optional[SkipDense] = None
+) -> LoadedModel:
+    """Load ``model`` ("default", a ``.gguf`` file, or a Hugging Face directory) with weights in ``dtype``;
+    a GGUF file's weights that ``skip_dense`` names get raw blocks only (Hugging Face weights are dense).
 
     Every failure a user can cause (bad path, wrong format, unsupported architecture or quant type)
     surfaces as :class:`ModelLoadError` with a message naming the problem.
@@ -123,7 +136,7 @@ def load_model(model: str, dtype: torch.dtype, progress: Optional[ProgressFn] = 
         return load_hf_dir(path, dtype, progress)
     from engine.loader.gguf import load_gguf
 
-    return load_gguf(path, dtype, progress)
+    return load_gguf(path, dtype, progress, skip_dense)
 
 
 __all__ = [
@@ -131,6 +144,7 @@ __all__ = [
     "LoadedModel",
     "expected_weight_names",
     "ModelLoadError",
+    "SkipDense",
     "load_model",
     "resolve_model_path",
 ]

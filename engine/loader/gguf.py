@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import GGUFTensor, LoadedModel, ModelLoadError, ProgressFn, expected_weight_names
+from engine.loader import GGUFTensor, LoadedModel, ModelLoadError, ProgressFn, SkipDense, expected_weight_names
 from engine.tokenizer import Tokenizer, gguf_field
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -314,45 +314,78 @@ def _dequant_torch(raw: torch.Tensor, qtype: str) -> Optional[torch.Tensor]:
     return None
 
 
-def dequantize_tensor(t: Any) -> torch.Tensor:
-    """float32 values of a reader tensor in HF shape (``[out, in]`` for matrices)."""
-    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost-first
-    raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(max(1, math.prod(shape[:-1])), -1))
-    dense = _dequant_torch(raw, t.tensor_type.name)
+def dequantize_rows(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
+    """float32 [rows, cols] from raw GGUF rows uint8 [rows, bytes_per_row] of any supported type.
+
+    Bit-identical to ``gguf.quants.dequantize`` (the common types with torch ops, the rest with
+    gguf's numpy code).  The loader dequantizes whole tensors with it; a quantized token embedding
+    (engine.layers.embedding) dequantizes only the rows a step gathers.
+    """
+    dense = _dequant_torch(raw, qtype)
     if dense is None:
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        dense = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type)))
-    return dense.reshape(shape)
+        dense = torch.from_numpy(np.ascontiguousarray(dequantize(raw.numpy(), GGMLQuantizationType[qtype])))
+    return dense.reshape(raw.shape[0], cols)
 
 
-def _load_one(t: Any, hf: str, cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[GGUFTensor]]:
+def raw_rows(t: Any) -> torch.Tensor:
+    """A reader tensor's bytes as uint8 [rows, bytes_per_row] (rows: every dim but the innermost),
+    a view of the memory map."""
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost-first
+    return torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(max(1, math.prod(shape[:-1])), -1))
+
+
+def dequantize_tensor(t: Any) -> torch.Tensor:
+    """float32 values of a reader tensor in HF shape (``[out, in]`` for matrices)."""
     shape = tuple(int(d) for d in reversed(t.shape))
-    dense = dequantize_tensor(t)
-    raw = None
-    if len(shape) == 2:
-        raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(shape[0], -1))
-    n_head = None
+    return dequantize_rows(raw_rows(t), t.tensor_type.name, shape[-1]).reshape(shape)
+
+
+def _unpermute_heads(cfg: ModelConfig, hf: str) -> Optional[int]:
+    """The head count whose llama.cpp row permutation ``hf`` carries (llama q/k), else None."""
     if cfg.architecture == "llama":
         if ".q_proj." in hf:
-            n_head = cfg.num_attention_heads
-        elif ".k_proj." in hf:
-            n_head = cfg.num_key_value_heads
+            return cfg.num_attention_heads
+        if ".k_proj." in hf:
+            return cfg.num_key_value_heads
+    return None
+
+
+def _raw_tensor(t: Any, hf: str, cfg: ModelConfig) -> GGUFTensor:
+    """A 2-D tensor's raw blocks in HF row order: a view of the memory map, or for llama q/k a
+    row-gathered copy (the only rows that move)."""
+    shape = tuple(int(d) for d in reversed(t.shape))
+    raw = raw_rows(t)
+    n_head = _unpermute_heads(cfg, hf)
     if n_head is not None:
         if shape[0] % (2 * n_head):
             raise ModelLoadError(f"{t.name} has {shape[0]} rows, not divisible into {n_head} heads")
-        index = qk_unpermute_index(shape[0], n_head)
-        dense = dense.index_select(0, index)
-        if raw is not None:
-            raw = raw.index_select(0, index)
+        raw = raw.index_select(0, qk_unpermute_index(shape[0], n_head))
+    return GGUFTensor(qtype=t.tensor_type.name, data=raw, shape=shape, file_offset=None if n_head else int(t.data_offset))
+
+
+def _dense(t: Any, dtype: torch.dtype, gt: Optional[GGUFTensor]) -> torch.Tensor:
+    """The dense weight in ``dtype``, HF layout: from the (already un-permuted) raw rows of a 2-D
+    tensor, else from the reader tensor."""
+    if gt is None:
+        dense = dequantize_tensor(t)
+    else:
+        dense = dequantize_rows(gt.data, gt.qtype, gt.shape[1])
     # F32 dequantization returns a view of the mapped file: copy so weights own their memory.
-    dense = dense.to(dtype, copy=t.tensor_type.name == "F32" and n_head is None)
-    gt = GGUFTensor(qtype=t.tensor_type.name, data=raw, shape=shape) if raw is not None else None
-    return dense, gt
+    return dense.to(dtype, copy=t.tensor_type.name == "F32")
 
 
-def load_gguf(path: str, dtype: torch.dtype, progress: Optional[ProgressFn] = None) -> LoadedModel:
-    """Load a GGUF file: config, dense weights in ``dtype``, raw 2-D blocks, tokenizer."""
+def load_gguf(
+    path: str, dtype: torch.dtype, progress: Optional[ProgressFn] = None, skip_dense: Optional[SkipDense] = None
+) -> LoadedModel:
+    """Load a GGUF file: config, dense weights in ``dtype``, raw 2-D blocks, tokenizer.
+
+    ``skip_dense`` (see :data:`engine.loader.SkipDense`) names the weights the caller serves from
+    their raw blocks alone: they get no dense copy (``weights`` lacks them), which for a model the
+    packed kernels serve saves dequantizing the whole file (seconds, and a bf16 copy 2-4x its size).
+    """
     reader = open_reader(path)
     tensors = {t.name: t for t in reader.tensors}
     cfg = config_from_gguf(reader, tensors)
@@ -364,17 +397,16 @@ def load_gguf(path: str, dtype: torch.dtype, progress: Optional[ProgressFn] = No
     cfg.eos_token_ids = tokenizer.eos_token_ids
     plan = _plan(reader, cfg)
 
+    raw = {hf: _raw_tensor(t, hf, cfg) for hf, t in plan if len(t.shape) == 2}
+    skip = set(skip_dense(cfg, raw)) if skip_dense is not None else set()
+    dense_plan = [(hf, t) for hf, t in plan if hf not in skip]
     weights: dict[str, torch.Tensor] = {}
-    raw: dict[str, GGUFTensor] = {}
-    total = len(plan)
+    total = len(dense_plan)
     workers = max(1, min(4, len(os.sched_getaffinity(0))))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [(hf, pool.submit(_load_one, t, hf, cfg, dtype)) for hf, t in plan]
+        futures = [(hf, pool.submit(_dense, t, dtype, raw.get(hf))) for hf, t in dense_plan]
         for done, (hf, fut) in enumerate(futures, 1):
-            dense, gt = fut.result()
-            weights[hf] = dense
-            if gt is not None:
-                raw[hf] = gt
+            weights[hf] = fut.result()
             if progress is not None:
                 progress(f"loading weights {done}/{total}")
     return LoadedModel(config=cfg, weights=weights, tokenizer=tokenizer, gguf_tensors=raw, source=path)

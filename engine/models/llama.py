@@ -8,7 +8,7 @@ request's rows and cache from the step's forward context.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import torch
 from torch import nn
@@ -245,30 +245,22 @@ class LlamaForCausalLM(nn.Module):
         """``compute_logits(hidden).argmax(-1)`` without the logits where the LM head can fuse it, else None."""
         return self.lm_head.argmax(hidden)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, merging q/k/v and gate/up into one matmul each."""
+    def load_weights(self, weights: dict[str, torch.Tensor], absent: Collection[str] = ()) -> None:
+        """Copy Hugging Face-named tensors in, merging q/k/v and gate/up into one matmul each.
+
+        ``absent``: HF names the caller knowingly leaves out because it serves them another way
+        (GGUF blocks: engine.layers.quant.dense_free_weights); their parameters stay uninitialised,
+        for the caller to replace.  Any other missing weight is an error.
+        """
         params = dict(self.named_parameters())
-        consumed = set()
+        consumed = {self.parameter_for(name)[0] for name in absent}
 
         def put(name: str, tensor: torch.Tensor, rows: slice | None = None) -> None:
             dst = params[name]
             (dst.data[rows] if rows is not None else dst.data).copy_(tensor)
 
-        q, kv = self.config.num_attention_heads * self.config.head_dim, self.config.num_key_value_heads * self.config.head_dim
-        inter = self.config.intermediate_size
-        merged = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
-            "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
-            "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
-            "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
-            "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
-        }
         for name, tensor in weights.items():
-            target, rows = name.removeprefix("model."), None
-            for src, (dst, sl) in merged.items():
-                if f".{src}." in target:
-                    target, rows = target.replace(src, dst), sl
-                    break
+            target, rows = self.parameter_for(name)
             if target == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if target not in params:
@@ -278,3 +270,20 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - consumed - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+    def parameter_for(self, name: str) -> tuple[str, Optional[slice]]:
+        """(parameter name, its rows) that the HF-named weight ``name`` fills."""
+        q, kv = self.config.num_attention_heads * self.config.head_dim, self.config.num_key_value_heads * self.config.head_dim
+        inter = self.config.intermediate_size
+        merged = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
+            "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
+            "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
+            "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
+            "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
+        }
+        target = name.removeprefix("model.")
+        for src, (dst, sl) in merged.items():
+            if f".{src}." in target:
+                return target.replace(src, dst), sl
+        return target, None
