@@ -161,6 +161,8 @@ class LLMEngine:
             large_act_bits=8 if large_int8 else 0,
             rows_int8=rows_int8,
         )
+        if stats["dense"]:
+            logger.info("dense projections: %s", quant.dense_summary(stats["dense_reasons"]))
         if stats["packed"] or stats["quantized"]:
             if rows_int8:  # before binding: the native layers copy each projection's routing
                 quant.tune_rows_int8_min_rows(self.runner.model)
