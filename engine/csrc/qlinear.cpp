@@ -608,7 +608,7 @@ QL_AVX512 void group_tile_avx512(const Problem& p, int64_t g, int t0, int pass, 
   // 1.30-1.32 -> 0.80-0.88 ms, gate_up 54-60 -> 37 us, a token's linears 4.6-5.7 -> 3.2-3.4 ms.
   PrefetchTurn turn(pass, passes);
   for (int b = 0; b < nb; ++b) {
-    const BlockRef br = block_at(wg, QT, b);
+    const BlockRef br = block_at<QT>(wg, b);
     if (turn.next())
       for (int i = 0; i < NG; ++i)
         for (int off = 0; off < p.gbytes; off += 64)

@@ -106,7 +106,7 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   PrefetchTurn turn(h == 0 ? pass : -1, passes);  // the second half re-reads the group from cache
   for (int b = 0; b < nb; ++b) {
-    const BlockRef br = block_at(wg, QT, b);
+    const BlockRef br = block_at<QT>(wg, b);
     const uint8_t* gb = br.q;
     if (turn.next() && kPrefetchBytes > 0)
       for (int off = 0; off < p.gbytes; off += 64)
