@@ -6,7 +6,8 @@
 //
 // Same packed layout as the AVX-512 path, in 256-bit halves: rows 0-7 of a group are the low 32
 // bytes of each 64-byte chunk, rows 8-15 the high 32.  Without VNNI the 8 Q4 nibble products of a
-// block are summed in int16, which cannot overflow (8 * 2 * 15 * 127 < 32768), and Q8_0 goes
+// block are summed in int16, which cannot overflow (8 * 2 * 15 * 127 < 32768; 5- and 6-bit quants
+// in runs of 4 and 2, see dot_words), and Q8_0 goes
 // through the sign trick on the signed weights (|w| <= 128, so one `vpmaddubsw` pair fits int16).
 // Both hold for either activation digit (|a| <= 127, |b| <= 64).
 //

@@ -1,4 +1,5 @@
-"""Packed low-bit weights (GGUF Q4_0 / Q4_1 / Q8_0 blocks) for the small-batch matmuls of decode.
+"""Packed low-bit weights (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks) for the
+small-batch matmuls of decode.
 
 Decode reads every weight once per token, so its speed is bytes per token over memory bandwidth.
 GGUF files already ship the linear weights as 4.5-8.5 bit blocks; keeping those blocks (instead of
@@ -22,9 +23,9 @@ when the engine asks for it (``EngineConfig.large_batch_matmul``, on by default 
 here too with int8 activations: VNNI int8 dot products outrun oneDNN's bf16 GEMM by 1.1-1.4x at
 32-1024 rows on the development host (``benchmarks/linear_kernels.py``, column "packed a8").
 
-Packed layout (built here with torch ops, described in ``engine/csrc/qlinear.h``): groups of 16
-output rows, each a sequential run of "group-blocks" whose quants are interleaved in 4-byte words
-so one vector instruction advances 16 rows at once.
+Packed layout (built by ``engine/layers/gguf_blocks.py`` with torch ops, described in
+``engine/csrc/qlinear.h``): groups of 16 output rows, each a sequential run of "group-blocks" whose
+quants are interleaved in 4-byte words so one vector instruction advances 16 rows at once.
 """
 
 from __future__ import annotations
