@@ -5,6 +5,7 @@ activation rounding on the real model.
     python -m benchmarks.linear_kernels                 # kernel table + one decode token of linears
     python -m benchmarks.linear_kernels --accuracy      # + 64-step decode: packed vs dense float32
     python -m benchmarks.linear_kernels --fused         # + native fused ops vs their torch reference
+    python -m benchmarks.linear_kernels --qtypes Q4_K Q4_0 Q8_0 --m 1   # block types at the 1B shapes
 
 Shapes (SmolLM2-135M: hidden 576, intermediate 1536, 9 q heads / 3 kv heads of 64, vocab 49152):
 qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576 (Q4_1 in the GGUF), lm_head 576->49152
@@ -33,6 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.layers import gguf_blocks
 from engine.layers import quant as Q
 
 HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
@@ -67,11 +69,12 @@ WORKING_SET = _working_set_bytes()
 
 
 def _random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    nb, bb = k // 32, Q.BLOCK_BYTES[qtype]
-    raw = torch.randint(0, 256, (n, nb, bb), dtype=torch.uint8, generator=gen)
-    raw[..., 0:2] = (torch.rand(n, nb, 1, generator=gen) * 0.01).half().view(torch.uint8)
-    if qtype == "Q4_1":
-        raw[..., 2:4] = (-torch.rand(n, nb, 1, generator=gen) * 0.08).half().view(torch.uint8)
+    """Random valid GGUF blocks of any packed qtype (random bytes, small fp16 fields)."""
+    bw, bb = gguf_blocks.GGUF_BLOCKS[qtype]
+    raw = torch.randint(0, 256, (n, k // bw, bb), dtype=torch.uint8, generator=gen)
+    for i, at in enumerate(gguf_blocks.FP16_AT[qtype]):
+        sign = -1 if i and qtype.endswith("_1") else 1  # Q4_1 / Q5_1's offset m negative, as a real file's
+        raw[..., at : at + 2] = (sign * torch.rand(n, k // bw, 1, generator=gen) * 0.01).half().view(torch.uint8)
     return raw.reshape(n, -1)
 
 
@@ -136,6 +139,35 @@ def kernel_table(ms: list[int], isa: str | None) -> dict[tuple[str, int], tuple[
             )
         del dense, packed, packed8, rows, rows_by_isa
     return results
+
+
+# Llama-3.2-1B's projections (hidden 2048, intermediate 8192, 32 heads / 8 kv heads of 64, 16 layers,
+# vocab 128256), for --qtypes.
+SHAPES_1B = [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192), ("lm_head", 128256, 2048)]
+LAYERS_1B = 16
+
+
+def qtype_table(ms: list[int], qtypes: list[str], isa: str | None) -> None:
+    """Per-projection time of the packed kernel at the 1B shapes for each block type, the bytes
+    it reads and the GB/s that makes; and the sum over one token's projections (16 layers + the
+    LM head in that type)."""
+    gen = torch.Generator().manual_seed(0)
+    print(f"\npacked kernels by block type at the 1B shapes (path {isa or Q.available_isas()[-1]}, "
+          f"{torch.get_num_threads()} threads)")
+    print(f"{'qtype':6s} {'shape':8s} {'N x K':>13s} {'M':>3s} | {'time':>9s} {'MiB':>7s} {'bits/w':>6s} {'GB/s':>6s}")
+    for m in ms:
+        for qtype in qtypes:
+            token = 0.0
+            for name, n, k in SHAPES_1B:
+                p0 = Q.PackedWeight(Q.pack_blocks(_random_blocks(qtype, n, k, gen), qtype, (n, k)), qtype, (n, k), isa)
+                copies = [p0] + [Q.PackedWeight(p0.data.clone(), qtype, (n, k), isa) for _ in range(max(1, WORKING_SET // p0.nbytes) - 1)]
+                x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+                t = best_time([lambda p=p: p(x) for p in copies], trials=5)
+                token += t * (1 if name == "lm_head" else LAYERS_1B)
+                print(f"{qtype:6s} {name:8s} {f'{n}x{k}':>13s} {m:3d} | {t * 1e6:7.1f}us {p0.nbytes / 2**20:7.1f} "
+                      f"{8 * p0.nbytes / (n * k):6.2f} {p0.nbytes / t / 1e9:6.1f}")
+                del copies, p0
+            print(f"{qtype:6s} {'token':8s} {'':>13s} {m:3d} | {token * 1e3:7.2f}ms  (16 layers x 4 + lm_head)")
 
 
 def _load_default_model(dtype: torch.dtype):
@@ -356,10 +388,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--fused", action="store_true", help="also time the fused element-wise ops")
     ap.add_argument("--no-table", action="store_true", help="skip the kernel table and decode total")
+    ap.add_argument("--qtypes", nargs="*", default=None, metavar="QTYPE",
+                    help=f"time these block types at the 1B shapes instead ({', '.join(Q.QTYPE_IDS)})")
     args = ap.parse_args()
     if not Q.native_available():
         raise SystemExit("native extension unavailable: nothing to benchmark")
-    if not args.no_table:
+    if args.qtypes:
+        qtype_table(args.m, args.qtypes, args.isa)
+    elif not args.no_table:
         kernel_table(args.m, args.isa)
         decode_token_linears(args.isa)
     if args.fused:

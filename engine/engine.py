@@ -195,6 +195,8 @@ class LLMEngine:
             )
             logger.info("token embedding looked up from its %s blocks (%.0f MiB, mapped from the file; no dense copy)",
                         model.embed_tokens.qtype, model.embed_tokens.nbytes / 2**20)
+        if stats["dense"]:
+            logger.info("dense projections: %s", quant.dense_summary(stats["dense_reasons"]))
         if stats["packed"] or stats["quantized"]:
             if rows_int8:
                 budget = None if self.config.large_batch_matmul == "int8_rows" else int(self.config.rows_int8_budget_gb * 2**30)

@@ -173,9 +173,11 @@ def test_pack_gguf_refuses_what_has_no_kernel():
     k = 64
     q41 = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 16, k), (16, k))
     q80 = FakeGGUFTensor("Q8_0", random_blocks("Q8_0", 16, k), (16, k))
-    q6k = FakeGGUFTensor("Q6_K", torch.zeros(16, 210, dtype=torch.uint8), (16, 256))
-    assert Q.pack_gguf([q41, q80]) is None  # mixed qtypes -> the dense path
-    assert Q.pack_gguf([q6k]) is None
+    q3k = FakeGGUFTensor("Q3_K", torch.zeros(16, 110, dtype=torch.uint8), (16, 256))
+    assert isinstance(Q.pack_gguf([q41, q80]), Q.PackedParts)  # mixed qtypes: one part each
+    odd = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 15, k), (15, k))
+    assert Q.pack_gguf([odd, q80]) is None  # ... in whole 16-row groups only
+    assert Q.pack_gguf([q3k]) is None
     assert Q.pack_gguf([]) is None
     wide = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 16, 2 * k), (16, 2 * k))
     assert Q.pack_gguf([q41, wide]) is None

@@ -102,6 +102,24 @@ _F16_FIELDS = {
 }
 
 
+# llama-quantize's mixes by the name they go by: qtype per GGUF tensor kind, "*" for the rest.  Q4_K_M
+# keeps attn_v and ffn_down (in some layers) and the embedding in Q6_K, so its qkv_proj mixes types.
+QUANT_MIXES = {
+    "Q4_K_M": {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q6_K", "*": "Q4_K"},
+    "Q5_K_M": {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "output": "Q6_K", "*": "Q5_K"},
+}
+
+
+def _tensor_qtype(qtype: str, gguf_name: str) -> str:
+    """The type a matrix of ``gguf_name`` gets in ``qtype`` (a single type, or a mix of QUANT_MIXES)."""
+    mix = QUANT_MIXES.get(qtype)
+    if mix is None:
+        return qtype
+    parts = gguf_name.split(".")
+    kind = parts[2] if parts[0] == "blk" else parts[0]
+    return mix.get(kind, mix["*"])
+
+
 def _tiny_tokenizer_pieces() -> tuple[list[str], list[int], list[str]]:
     from engine.tokenizer import bytes_to_unicode
 
@@ -198,7 +216,8 @@ def make_tiny_gguf(
     tmp_path: str | os.PathLike[str], arch: str = "llama", qtype: str = "Q8_0", seed: int = 0,
     rope_freqs: np.ndarray | None = None,
 ) -> Path:
-    """Write a tiny ``arch`` GGUF whose matrices are all ``qtype`` (norms/biases F32); return its path.
+    """Write a tiny ``arch`` GGUF whose matrices are all ``qtype`` (or, for a mix of
+    :data:`QUANT_MIXES`, its type for each tensor; norms/biases F32); return its path.
 
     Types gguf.quants can quantize (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) encode
     :func:`tiny_gguf_reference_weights`; K-quants (and IQ4_NL, for the unsupported-type test) get
@@ -244,7 +263,7 @@ def make_tiny_gguf(
         if a.ndim == 1:
             writer.add_tensor(_gguf_name(hf), a.astype(np.float32))
         else:
-            data, raw_dtype = _encode_matrix(a, qtype, rng)
+            data, raw_dtype = _encode_matrix(a, _tensor_qtype(qtype, _gguf_name(hf)), rng)
             writer.add_tensor(_gguf_name(hf), data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

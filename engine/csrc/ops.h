@@ -36,7 +36,7 @@ int64_t qlinear_best_isa();
 // ---- end qlinear.cpp ----
 
 // ---- qlinear_rows.cpp ----
-// [data, scales]: the row-scaled int8 copy (qlinear.h) of a packed Q4_0 / Q4_1 / Q8_0 weight [n, k],
+// [data, scales]: the row-scaled int8 copy (qlinear.h) of a packed weight [n, k] (any qtype of qlinear.h),
 // bit-identical to engine/layers/quant.py's torch definition (quantize_rows_int8 of the dequantized blocks).
 std::vector<torch::Tensor> qlinear_rows_from_packed(const torch::Tensor& packed, int64_t qtype, int64_t n, int64_t k);
 // ---- end qlinear_rows.cpp ----

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -57,6 +58,9 @@ struct Problem {
   const float* xd;
   const float* xs;
   const int32_t* xsum;
+  // Split types only (Layout::split, Q6_K): per row and block, xd * the digit sums of elements
+  // 0-15 and of 16-31, [row][block][2].
+  const float* xsh = nullptr;
   // output [m, n] with row stride ldo; bias [n] or null
   void* out;
   int64_t ldo;
@@ -227,6 +231,22 @@ void quantize_row16_scalar(const void* x, bool bf16, int64_t k, int8_t* q, float
   sums[1] = lo_sum;
 }
 
+// Calls f(std::integral_constant<int, QT>{}) for a runtime qtype: the one switch from a qtype to
+// the kernels' template instantiations.
+template <typename F>
+inline void dispatch_qtype(int qtype, const F& f) {
+  switch (qtype) {
+    case kQ4_0: f(std::integral_constant<int, kQ4_0>{}); break;
+    case kQ4_1: f(std::integral_constant<int, kQ4_1>{}); break;
+    case kQ5_0: f(std::integral_constant<int, kQ5_0>{}); break;
+    case kQ5_1: f(std::integral_constant<int, kQ5_1>{}); break;
+    case kQ4_K: f(std::integral_constant<int, kQ4_K>{}); break;
+    case kQ5_K: f(std::integral_constant<int, kQ5_K>{}); break;
+    case kQ6_K: f(std::integral_constant<int, kQ6_K>{}); break;
+    default: f(std::integral_constant<int, kQ8_0>{}); break;
+  }
+}
+
 // ---------------------------------------------------------------- scalar path (portable reference)
 
 // out[t, col] = v + bias[col], in the output's dtype.
@@ -246,42 +266,52 @@ inline void store1_scalar(const Problem& p, int t, int64_t col, float v) {
     static_cast<float*>(p.out)[t * p.ldo + col] = v;
 }
 
-// Integer dot of one row's 32 weight quants (packed group-block `gb`, row r) with 32 int8 x.
-inline int32_t dot_scalar(const uint8_t* gb, int qtype, int r, const int8_t* xb) {
-  int32_t dot = 0;
-  if (qtype == kQ8_0) {
-    for (int c = 0; c < 8; ++c)
-      for (int j = 0; j < 4; ++j) dot += (static_cast<int>(gb[c * 64 + r * 4 + j]) - 128) * xb[c * 4 + j];
-  } else {
-    for (int c = 0; c < 4; ++c)
-      for (int j = 0; j < 4; ++j) {
-        const uint8_t byte = gb[c * 64 + r * 4 + j];
-        dot += (byte & 15) * xb[c * 4 + j] + (byte >> 4) * xb[16 + c * 4 + j];
-      }
-  }
-  return dot;
+// Integer dots of one row's 32 weight quants (unsigned, as row_quants gives them) with 32 int8 x:
+// dot[0] over elements 0-15, dot[1] over 16-31.
+inline void dot_scalar(const uint8_t* q, const int8_t* xb, int32_t dot[2]) {
+  dot[0] = dot[1] = 0;
+  for (int i = 0; i < kBlock; ++i) dot[i / 16] += static_cast<int>(q[i]) * xb[i];
 }
 
+// The scalar reference of every block type: per row and block the integer dot product of the
+// unsigned quants, then the float steps the SIMD kernels take (Q8_0: remove 128 * sum(x_q) in
+// integers; the rest: the dot times d * xd plus the offset m - zero * d times xd * sum(x_q), per
+// half for split types).
 void group_scalar(const Problem& p, int64_t g) {
   const int rows_valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(p.gbytes);
+  const Layout L = layout(p.qtype);
   for (int t = 0; t < p.m; ++t) {
     const int8_t* xq = p.xq + static_cast<int64_t>(t) * p.ldq;
     float acc[kGroupRows] = {0};
     for (int b = 0; b < p.nb; ++b) {
-      const uint8_t* gb = wg + static_cast<int64_t>(b) * p.gbytes;
+      const BlockRef br = block_at(wg, p.qtype, b);
       const int8_t* xb = xq + b * kBlock * p.digits;
-      const float xd = p.xd[t * p.nb + b], xs = p.xs[t * p.nb + b];
+      const int64_t tb = static_cast<int64_t>(t) * p.nb + b;
+      const float xd = p.xd[tb], xs = p.xs[tb];
       for (int r = 0; r < kGroupRows; ++r) {
-        int32_t dot = dot_scalar(gb, p.qtype, r, xb);
-        if (p.digits == 2) dot = 128 * dot + dot_scalar(gb, p.qtype, r, xb + kBlock);
+        uint8_t q[kBlock];
+        row_quants(br.q, p.qtype, r, q);
+        int32_t dot[2];
+        dot_scalar(q, xb, dot);
+        if (p.digits == 2) {
+          int32_t lo[2];
+          dot_scalar(q, xb + kBlock, lo);
+          for (int h = 0; h < 2; ++h) dot[h] = 128 * dot[h] + lo[h];
+        }
         if (p.qtype == kQ8_0) {
-          const float d = group_block_half(gb, group_block_d_at(kQ8_0), r);
-          acc[r] += static_cast<float>(dot) * (d * xd);
+          const float d = row_scale(br, p.qtype, r, 0).d;
+          acc[r] += static_cast<float>(dot[0] + dot[1] - 128 * p.xsum[tb]) * (d * xd);
+        } else if (L.split) {
+          for (int h = 0; h < 2; ++h) {
+            const float d = row_scale(br, p.qtype, r, h).d;
+            acc[r] += static_cast<float>(dot[h]) * (d * xd);
+            acc[r] += d * static_cast<float>(-L.zero) * p.xsh[2 * tb + h];
+          }
         } else {
-          const float d = group_block_half(gb, group_block_d_at(p.qtype), r);
-          const float m = p.qtype == kQ4_1 ? group_block_half(gb, group_block_m_at(kQ4_1), r) : -8.f * d;
-          acc[r] += static_cast<float>(dot) * (d * xd);
+          const RowScale rs = row_scale(br, p.qtype, r, 0);
+          const float m = L.has_m ? rs.m : rs.d * static_cast<float>(-L.zero);
+          acc[r] += static_cast<float>(dot[0] + dot[1]) * (rs.d * xd);
           acc[r] += m * xs;
         }
       }
@@ -516,10 +546,54 @@ constexpr int kPrefetchBytes = QL_PREFETCH;
 // alternating in one process on the Intel host: the 120 layer linears of the default model 1.05-1.08x
 // at 1 row, 1.03x at 2, 1.07-1.10x at 4, 1.13-1.16x at 8; engine steps 1.00-1.03x at batch 1 and
 // 1.05-1.06x at batch 4.
+// A nibble chunk's high bits (Q5: bit 4; Q6: bits 4-5) from the group-block's plane vectors
+// (layout in qlinear.h): chunk c's low-nibble elements (half 0) or high-nibble ones (half 1).
+template <int QT>
+QL_AVX512 inline __m512i plane_bits_avx512(const __m512i* plane, int c, int half) {
+  if (layout(QT).plane_chunks == 1) {  // bit c (half 0) or 4 + c (half 1) of each byte -> bit 4
+    const __m512i v = half == 0 ? _mm512_slli_epi16(plane[0], 4 - c) : _mm512_srli_epi16(plane[0], c);
+    return _mm512_and_si512(v, _mm512_set1_epi8(0x10));
+  }
+  const int sh = 4 - 2 * c;  // bits 2c..2c+1 of the half's plane -> bits 4-5
+  const __m512i v = sh >= 0 ? _mm512_slli_epi16(plane[half], sh) : _mm512_srli_epi16(plane[half], -sh);
+  return _mm512_and_si512(v, _mm512_set1_epi8(0x30));
+}
+
+// 16 fp16 values at `at`, and 16 bytes (signed or not), as floats.
+QL_AVX512 inline __m512 half16_avx512(const uint8_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+QL_AVX512 inline __m512 bytes16_avx512(const uint8_t* at, bool is_signed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+// The 16 rows' scale d and offset m - zero * d of group-block `br`, elements [16h, 16h + 16)
+// (row_scale in 16 lanes; the offset multiplies the activation block's xd * sum).
+template <int QT>
+QL_AVX512 inline void block_scales_avx512(const BlockRef& br, int h, __m512& dv, __m512& mv) {
+  constexpr Layout L = layout(QT);
+  if (QT == kQ4_K || QT == kQ5_K) {
+    dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 64 + br.sub * 16, false));
+    mv = _mm512_castsi512_ps(_mm512_xor_si512(  // -(dmin * min), as row_scale
+        _mm512_castps_si512(_mm512_mul_ps(half16_avx512(br.fields + 32), bytes16_avx512(br.fields + 192 + br.sub * 16, false))),
+        _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  } else if (QT == kQ6_K) {
+    dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 32 + (2 * br.sub + h) * 16, true));
+    mv = _mm512_mul_ps(dv, _mm512_set1_ps(-static_cast<float>(L.zero)));
+  } else {
+    dv = half16_avx512(br.fields);
+    mv = L.has_m ? half16_avx512(br.fields + 32) : QT == kQ8_0 ? _mm512_setzero_ps() : _mm512_mul_ps(dv, _mm512_set1_ps(-static_cast<float>(L.zero)));
+  }
+}
+
 template <int QT, int NG, int MT, int DIGITS>
 QL_AVX512 void group_tile_avx512(const Problem& p, int64_t g, int t0, int pass, int passes) {
-  constexpr int kChains = MT == 1 ? 2 : 1;
-  constexpr int kChunks = QT == kQ8_0 ? 8 : 4;
+  constexpr Layout L = layout(QT);
+  // Independent integer sums per (group, row, digit): with one row two chains (alternate chunks);
+  // split types keep their two halves apart instead (which are two chains as well).
+  constexpr int kSums = (MT == 1 || L.split) ? 2 : 1;
+  constexpr int kChunks = L.quant_chunks;
   const int nb = p.nb;
   const int64_t gstride = static_cast<int64_t>(nb) * p.gbytes;
   const uint8_t* wg = p.w + g * gstride;
@@ -534,61 +608,75 @@ QL_AVX512 void group_tile_avx512(const Problem& p, int64_t g, int t0, int pass, 
   // 1.30-1.32 -> 0.80-0.88 ms, gate_up 54-60 -> 37 us, a token's linears 4.6-5.7 -> 3.2-3.4 ms.
   PrefetchTurn turn(pass, passes);
   for (int b = 0; b < nb; ++b) {
-    const uint8_t* gb = wg + static_cast<int64_t>(b) * p.gbytes;
+    const BlockRef br = block_at<QT>(wg, b);
     if (turn.next())
       for (int i = 0; i < NG; ++i)
         for (int off = 0; off < p.gbytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(gb + (NG + i) * gstride + off), _MM_HINT_T1);
-    __m512i s[NG][MT][DIGITS][kChains];
+          _mm_prefetch(reinterpret_cast<const char*>(wg + static_cast<int64_t>(b) * p.gbytes + (NG + i) * gstride + off),
+                       _MM_HINT_T1);
+    __m512i s[NG][MT][DIGITS][kSums];
     for (int i = 0; i < NG; ++i)
       for (int t = 0; t < MT; ++t)
         for (int d = 0; d < DIGITS; ++d)
-          for (int h = 0; h < kChains; ++h) s[i][t][d][h] = _mm512_setzero_si512();
+          for (int h = 0; h < kSums; ++h) s[i][t][d][h] = _mm512_setzero_si512();
+    __m512i plane[NG][2];
+    if (L.plane_chunks)
+      for (int i = 0; i < NG; ++i)
+        for (int c = 0; c < L.plane_chunks; ++c) plane[i][c] = _mm512_loadu_si512(br.q + i * gstride + 256 + c * 64);
     for (int c = 0; c < kChunks; ++c) {
-      // Q8_0: chunk c holds bytes [4c, 4c + 4) of each row's block.  Q4: its low nibbles are
-      // bytes [4c, 4c + 4) of the block, its high nibbles bytes [16 + 4c, 16 + 4c + 4).
+      // Q8_0: chunk c holds bytes [4c, 4c + 4) of each row's block.  The rest: its low nibbles are
+      // elements [4c, 4c + 4) of the block, its high nibbles [16 + 4c, 16 + 4c + 4), each with its
+      // high bits from the plane.
       __m512i w[NG][2];
       for (int i = 0; i < NG; ++i) {
-        const __m512i v = _mm512_loadu_si512(gb + i * gstride + c * 64);
+        const __m512i v = _mm512_loadu_si512(br.q + i * gstride + c * 64);
         if (QT == kQ8_0) {
           w[i][0] = v;
         } else {
           w[i][0] = _mm512_and_si512(v, low4);
           w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          if (L.plane_chunks)
+            for (int half = 0; half < 2; ++half)
+              w[i][half] = _mm512_or_si512(w[i][half], plane_bits_avx512<QT>(plane[i], c, half));
         }
       }
-      const int h = c % kChains;
+      const int h0 = L.split ? 0 : c % kSums, h1 = L.split ? 1 : h0;
       for (int t = 0; t < MT; ++t) {
         const int8_t* xb = p.xq + (t0 + t) * p.ldq + b * kBlock * DIGITS;
         for (int d = 0; d < DIGITS; ++d) {
           const int32_t* xw = reinterpret_cast<const int32_t*>(xb + d * kBlock);
           const __m512i x0 = _mm512_set1_epi32(xw[c]);
-          for (int i = 0; i < NG; ++i) s[i][t][d][h] = _mm512_dpbusd_epi32(s[i][t][d][h], w[i][0], x0);
+          for (int i = 0; i < NG; ++i) s[i][t][d][h0] = _mm512_dpbusd_epi32(s[i][t][d][h0], w[i][0], x0);
           if (QT != kQ8_0) {
             const __m512i x1 = _mm512_set1_epi32(xw[4 + c]);
-            for (int i = 0; i < NG; ++i) s[i][t][d][h] = _mm512_dpbusd_epi32(s[i][t][d][h], w[i][1], x1);
+            for (int i = 0; i < NG; ++i) s[i][t][d][h1] = _mm512_dpbusd_epi32(s[i][t][d][h1], w[i][1], x1);
           }
         }
       }
     }
     for (int i = 0; i < NG; ++i) {
-      const uint8_t* gi = gb + i * gstride;
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gi + group_block_d_at(QT))));
-      const __m512 mv = QT == kQ4_1   ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gi + group_block_m_at(QT))))
-                        : QT == kQ4_0 ? _mm512_mul_ps(dv, _mm512_set1_ps(-8.f))
-                                      : _mm512_setzero_ps();
+      const BlockRef bi{br.q + i * gstride, br.fields + i * gstride, br.sub};
+      __m512 dv[2], mv[2];
+      for (int h = 0; h < (L.split ? 2 : 1); ++h) block_scales_avx512<QT>(bi, h, dv[h], mv[h]);
       for (int t = 0; t < MT; ++t) {
-        const int64_t row = t0 + t;
-        __m512i sd[DIGITS];
-        for (int d = 0; d < DIGITS; ++d) {
-          sd[d] = s[i][t][d][0];
-          for (int h = 1; h < kChains; ++h) sd[d] = _mm512_add_epi32(sd[d], s[i][t][d][h]);
+        const int64_t row = t0 + t, tb = row * nb + b;
+        __m512i dsum[kSums];  // the digits combined
+        for (int h = 0; h < kSums; ++h)
+          dsum[h] = DIGITS == 2 ? _mm512_add_epi32(_mm512_slli_epi32(s[i][t][0][h], 7), s[i][t][DIGITS - 1][h]) : s[i][t][0][h];
+        const __m512 xd = _mm512_set1_ps(p.xd[tb]);
+        if (L.split) {
+          for (int h = 0; h < 2; ++h) {
+            acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum[h]), _mm512_mul_ps(dv[h], xd), acc[i][t]);
+            acc[i][t] = _mm512_fmadd_ps(mv[h], _mm512_set1_ps(p.xsh[2 * tb + h]), acc[i][t]);
+          }
+          continue;
         }
-        __m512i sum = DIGITS == 2 ? _mm512_add_epi32(_mm512_slli_epi32(sd[0], 7), sd[DIGITS - 1]) : sd[0];
+        __m512i sum = dsum[0];
+        if (kSums == 2) sum = _mm512_add_epi32(sum, dsum[kSums - 1]);
         // Q8_0 weights are q + 128: remove 128 * sum(x_q)
-        if (QT == kQ8_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * p.xsum[row * nb + b]));
-        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dv, _mm512_set1_ps(p.xd[row * nb + b])), acc[i][t]);
-        if (QT != kQ8_0) acc[i][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(p.xs[row * nb + b]), acc[i][t]);
+        if (QT == kQ8_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * p.xsum[tb]));
+        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dv[0], xd), acc[i][t]);
+        if (QT != kQ8_0) acc[i][t] = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(p.xs[tb]), acc[i][t]);
       }
     }
   }
@@ -623,13 +711,13 @@ QL_AVX512 void group_range_qt_avx512(const Problem& p, int64_t g0, int64_t g1) {
   }
 }
 
+template <int QT>
+QL_AVX512 void group_range_digits_avx512(const Problem& p, int64_t g0, int64_t g1) {
+  p.digits == 2 ? group_range_qt_avx512<QT, 2>(p, g0, g1) : group_range_qt_avx512<QT, 1>(p, g0, g1);
+}
+
 QL_AVX512 void group_range_avx512(const Problem& p, int64_t g0, int64_t g1) {
-  const bool two = p.digits == 2;
-  switch (p.qtype) {
-    case kQ4_0: two ? group_range_qt_avx512<kQ4_0, 2>(p, g0, g1) : group_range_qt_avx512<kQ4_0, 1>(p, g0, g1); break;
-    case kQ4_1: two ? group_range_qt_avx512<kQ4_1, 2>(p, g0, g1) : group_range_qt_avx512<kQ4_1, 1>(p, g0, g1); break;
-    default: two ? group_range_qt_avx512<kQ8_0, 2>(p, g0, g1) : group_range_qt_avx512<kQ8_0, 1>(p, g0, g1); break;
-  }
+  dispatch_qtype(p.qtype, [&](auto qt) { group_range_digits_avx512<decltype(qt)::value>(p, g0, g1); });
 }
 
 // Row-scaled int8 weights: NG adjacent groups (16 output rows each) times MT activation rows.  A
@@ -857,7 +945,7 @@ constexpr int64_t kUnitsPerThread = 64;
 
 struct Scratch {
   std::vector<int8_t> q;
-  std::vector<float> d, s, corr;
+  std::vector<float> d, s, corr, sh;
   std::vector<int32_t> sum;
 };
 
@@ -931,6 +1019,8 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
     scratch.sum.resize(m * nb);
   }
   if (row_corrections && scratch.corr.size() < static_cast<size_t>(m)) scratch.corr.resize(m);
+  const bool half_sums = !row_corrections && !p.act_rows16 && layout(p.qtype).split;
+  if (half_sums && scratch.sh.size() < static_cast<size_t>(2 * m * nb)) scratch.sh.resize(2 * m * nb);
 
   p.n = n;
   p.k = k;
@@ -944,6 +1034,7 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
   p.xs = scratch.s.data();
   p.xsum = scratch.sum.data();
   p.xcorr = row_corrections ? scratch.corr.data() : nullptr;
+  p.xsh = half_sums ? scratch.sh.data() : nullptr;
   p.out = argmax ? nullptr : out.data_ptr();
   p.ldo = n;
   p.out_bf16 = out.scalar_type() == at::kBFloat16;
@@ -976,6 +1067,14 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
       quantize_row_avx2(qr);
     else
       quantize_row_scalar(qr);
+    if (half_sums)  // xd times the digit sums of each block's two halves (split types' offsets)
+      for (int b = 0; b < nb; ++b) {
+        const int8_t* qb = qr.q + b * qr.q_stride;
+        int32_t first = 0;
+        for (int i = 0; i < 16; ++i) first += digits == 2 ? 128 * qb[i] + qb[kBlock + i] : qb[i];
+        scratch.sh[2 * (r * nb + b)] = qr.d[b] * static_cast<float>(first);
+        scratch.sh[2 * (r * nb + b) + 1] = qr.d[b] * static_cast<float>(qr.sum[b] - first);
+      }
     if (row_corrections) {
       float c = 0.f;
       for (int i = 0; i < nb; ++i) c += qr.s[i];
@@ -1058,7 +1157,9 @@ torch::Tensor packed_product(const torch::Tensor& x, const torch::Tensor& packed
                              const c10::optional<torch::Tensor>& bias, int64_t isa, int64_t act_bits, bool out_float32,
                              bool argmax) {
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "qlinear: act_bits must be 8 or 16");
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear: unsupported qtype ", qtype);
+  TORCH_CHECK(qtype_known(static_cast<int>(qtype)), "qlinear: unsupported qtype ", qtype);
+  TORCH_CHECK(!layout(static_cast<int>(qtype)).kquant || k % (kSuperBlocks * kBlock) == 0,
+              "qlinear: K-quant weights need in_features divisible by 256");
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
   const int gbytes = group_block_bytes(static_cast<int>(qtype));
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&

@@ -1,17 +1,39 @@
 // Packed low-bit weights for small-batch (decode) matmuls: layout shared by every ISA path.
 //
-// A weight [N, K] in a GGUF block format (Q4_0, Q4_1, Q8_0: blocks of 32 along K) is stored
-// as groups of 16 output rows; a group holds its K/32 blocks back to back ("group-blocks"), so
-// one group is one sequential stream.  Inside a group-block the quants of the 16 rows are
-// interleaved in 4-byte words: chunk c (64 bytes) = for row r = 0..15 the bytes [4c, 4c+4) of
-// that row's quants.  A 512-bit vector of a chunk thus holds 4 quant bytes per row in lane r,
-// and one `vpdpbusd` against 4 activation bytes broadcast to every lane adds 4 products into
-// each row's lane: 16 rows advance at once, and the per-block scales are per-lane vectors.
+// A weight [N, K] in a GGUF block format is stored as groups of 16 output rows; a group holds its
+// K/32 "group-blocks" (32 weights of each of the 16 rows) back to back, so one group is one
+// sequential stream.  Inside a group-block the quants of the 16 rows are interleaved in 4-byte
+// words: chunk c (64 bytes) = for row r = 0..15 the bytes [4c, 4c+4) of that row's quant bytes.
+// A 512-bit vector of a chunk thus holds 4 quant bytes per row in lane r, and one `vpdpbusd`
+// against 4 activation bytes broadcast to every lane adds 4 products into each row's lane: 16 rows
+// advance at once, and the per-block scales are per-lane vectors.
 //
-//   Q4_0: 4 chunks of nibbles (GGUF byte i: low nibble q[i], high nibble q[i+16]), then 16 fp16 d
-//         value = d * (q - 8)                                               -> 288 bytes
-//   Q4_1: 4 chunks of nibbles, 16 fp16 d, 16 fp16 m; value = d * q + m      -> 320 bytes
-//   Q8_0: 8 chunks of (q XOR 0x80), i.e. q + 128 as unsigned; 16 fp16 d; value = d * q -> 544 bytes
+// Quant bytes of a row's 32-block: Q8_0 32 bytes (q XOR 0x80, i.e. q + 128 as unsigned); every
+// other type 16 nibble bytes, byte i holding element i (low nibble) and element 16 + i (high), the
+// low 4 bits of the unsigned quant q, then (5- and 6-bit types) the high bits in a plane of 1 or 2
+// chunks, arranged so that a nibble chunk's high bits come out with one shift and mask:
+//   Q5 (1 chunk): byte j of row r's word, bit c = bit 4 of element 4c + j, bit 4 + c = bit 4 of
+//                 element 16 + 4c + j (c = 0..3, the nibble chunk)
+//   Q6 (2 chunks): chunk 0 byte j bits 2c..2c+1 = bits 4-5 of element 4c + j; chunk 1 the same for
+//                 element 16 + 4c + j
+// Per-row fields and the value of element i with the unsigned quant q:
+//   Q4_0: 4 nibble chunks, 16 fp16 d                      d * (q - 8)       288 bytes (file 18/32)
+//   Q4_1: 4 nibble chunks, 16 fp16 d, 16 fp16 m           d * q + m         320 bytes (file 20/32)
+//   Q5_0: 4 nibble chunks, 1 plane chunk, 16 fp16 d       d * (q - 16)      352 bytes (file 22/32)
+//   Q5_1: 4 + 1 chunks, 16 fp16 d, 16 fp16 m              d * q + m         384 bytes (file 24/32)
+//   Q8_0: 8 chunks of q + 128, 16 fp16 d                  d * (q - 128)     544 bytes (file 34/32)
+// The K types keep their 256-weight super-blocks: 8 group-blocks of quants (nibble and plane
+// chunks as above, no fields) after a header with the 16 rows' fields of the super-block:
+//   Q4_K: 16 fp16 d, 16 fp16 dmin, then per sub-block s = 0..7 the 16 rows' 6-bit scale sc (one
+//         byte each), then per sub-block their 6-bit min m; value (d * sc) * q - dmin * m
+//                                       header 320 + 8 x 256 = 2368 bytes (file 144 x 16 = 2304)
+//   Q5_K: the same header, 8 x (4 + 1 chunks)                  2880 bytes (file 176 x 16 = 2816)
+//   Q6_K: 16 fp16 d, then per 16-weight sub-block s = 0..15 the 16 rows' int8 scales;
+//         value (d * sc) * (q - 32), sc of element i of group-block b that of sub-block 2b + i / 16
+//                                       header 288 + 8 x 384 = 3360 bytes (file 210 x 16 = 3360)
+// d * sc is exact in float32 (an 11-bit fp16 significand times a 6- or 8-bit integer), so the
+// kernels' per-block scales are the file's own.  group_block_bytes() is the average bytes per
+// group-block (super-block / 8 for the K types), so a group is nb * group_block_bytes() bytes.
 //
 // The last group is padded with zero rows.  engine/layers/quant.py builds this layout.
 //
@@ -32,25 +54,135 @@ constexpr int kBlock = 32;
 constexpr int kRowsBlockBytes = kGroupRows * kBlock;  // a row-scaled int8 group-block
 
 // GGML type ids, the qtype argument of the ops.
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
-// Where a group-block's fp16 fields start: its 16 scales d right after the quants, then (Q4_1) its
-// 16 offsets m.
-constexpr int group_block_d_at(int qtype) { return qtype == kQ8_0 ? 16 * 32 : 16 * 16; }
-constexpr int group_block_m_at(int qtype) { return group_block_d_at(qtype) + 16 * 2; }
+constexpr bool qtype_known(int qt) {
+  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 || qt == kQ4_K || qt == kQ5_K ||
+         qt == kQ6_K;
+}
 
-inline int group_block_bytes(int qtype) {
-  switch (qtype) {
-    case kQ4_0: return group_block_d_at(kQ4_0) + 16 * 2;
-    case kQ4_1: return group_block_m_at(kQ4_1) + 16 * 2;
-    case kQ8_0: return group_block_d_at(kQ8_0) + 16 * 2;
-    default: return 0;
+// The layout of a qtype's packed blocks (see above), for the kernels' templates and the scalar code.
+struct Layout {
+  int quant_chunks;  // 64-byte chunks of quant bytes (8: Q8_0 bytes; 4: nibbles)
+  int plane_chunks;  // chunks of high bits after the nibbles (0, 1: Q5, 2: Q6)
+  int zero;          // the integer subtracted from the unsigned quant (8, 16, 32, 128; 0: an offset field m instead)
+  bool has_m;        // an additive per-row offset: Q4_1/Q5_1 fp16 m, or K types' -dmin * min
+  bool kquant;       // 256-weight super-blocks with a header of per-row fields
+  bool split;        // two scales per 32-block (Q6_K: elements 0-15 and 16-31): their integer sums stay apart
+  int header;        // K types: bytes of the super-block header
+};
+
+constexpr Layout layout(int qt) {
+  switch (qt) {
+    case kQ4_0: return {4, 0, 8, false, false, false, 0};
+    case kQ4_1: return {4, 0, 0, true, false, false, 0};
+    case kQ5_0: return {4, 1, 16, false, false, false, 0};
+    case kQ5_1: return {4, 1, 0, true, false, false, 0};
+    case kQ4_K: return {4, 0, 0, true, true, false, 64 + 256};
+    case kQ5_K: return {4, 1, 0, true, true, false, 64 + 256};
+    case kQ6_K: return {4, 2, 32, false, true, true, 32 + 256};
+    default: return {8, 0, 128, false, false, false, 0};  // Q8_0
   }
+}
+
+constexpr int kSuperBlocks = 8;  // group-blocks per K-type super-block
+
+// Bytes of one group-block's quants (nibble or byte chunks, then the high-bit plane).
+constexpr int group_block_quant_bytes(int qt) { return (layout(qt).quant_chunks + layout(qt).plane_chunks) * 64; }
+
+// Where a (non-K) group-block's fp16 fields start: its 16 scales d right after the quants, then
+// (Q4_1, Q5_1) its 16 offsets m.
+constexpr int group_block_d_at(int qt) { return group_block_quant_bytes(qt); }
+constexpr int group_block_m_at(int qt) { return group_block_d_at(qt) + 16 * 2; }
+
+// Average bytes per group-block: nb * this is a group's bytes (nb a multiple of 8 for K types).
+constexpr int group_block_bytes(int qt) {
+  return !qtype_known(qt)       ? 0
+         : layout(qt).kquant    ? (layout(qt).header + kSuperBlocks * group_block_quant_bytes(qt)) / kSuperBlocks
+         : layout(qt).has_m     ? group_block_m_at(qt) + 16 * 2
+                                : group_block_d_at(qt) + 16 * 2;
+}
+
+// Group-block b of the group at wg: its quants, and the start of its fields (a K type's header).
+struct BlockRef {
+  const uint8_t* q;
+  const uint8_t* fields;
+  int sub;  // the group-block's index in its super-block (0 for non-K types)
+};
+// (The byte counts as arguments, so that the kernels' block_at<QT> below folds them to constants:
+// GCC left a run-time group_block_bytes(12) call in the AVX-512 Q4_K loop, 1.8x its time.)
+__attribute__((always_inline)) inline BlockRef block_at_bytes(const uint8_t* wg, int b, bool kquant, int header, int qbytes,
+                                                              int gbytes, int fields_at) {
+  if (!kquant) {
+    const uint8_t* gb = wg + static_cast<int64_t>(b) * gbytes;
+    return {gb, gb + fields_at, 0};
+  }
+  const uint8_t* sb = wg + static_cast<int64_t>(b / kSuperBlocks) * kSuperBlocks * gbytes;
+  const int s = b % kSuperBlocks;
+  return {sb + header + s * qbytes, sb, s};
+}
+template <int QT>
+__attribute__((always_inline)) inline BlockRef block_at(const uint8_t* wg, int b) {
+  constexpr Layout L = layout(QT);
+  constexpr int kQbytes = group_block_quant_bytes(QT), kGbytes = group_block_bytes(QT), kDAt = group_block_d_at(QT);
+  return block_at_bytes(wg, b, L.kquant, L.header, kQbytes, kGbytes, kDAt);
+}
+inline BlockRef block_at(const uint8_t* wg, int qt, int b) {
+  const Layout L = layout(qt);
+  return block_at_bytes(wg, b, L.kquant, L.header, group_block_quant_bytes(qt), group_block_bytes(qt), group_block_d_at(qt));
 }
 
 // Row r's fp16 field (a scale d or an offset m, 16 values per group-block) at byte `at` of group-block gb.
 inline float group_block_half(const uint8_t* gb, int at, int r) {
   return static_cast<float>(c10::Half(reinterpret_cast<const uint16_t*>(gb + at)[r], c10::Half::from_bits()));
+}
+
+// Row r's scale d and offset m of a group-block, for its elements [16h, 16h + 16): element i's
+// value is d * (q_i - zero) + m (m only where the layout has_m), in the float32 operations of
+// gguf.quants.dequantize (d * sc and dmin * min rounded once, as there).
+struct RowScale {
+  float d, m;
+};
+inline RowScale row_scale(const BlockRef& br, int qt, int r, int h) {
+  switch (qt) {
+    case kQ4_K:
+    case kQ5_K: {
+      const float d = group_block_half(br.fields, 0, r), dmin = group_block_half(br.fields, 32, r);
+      const float sc = br.fields[64 + br.sub * 16 + r], mn = br.fields[64 + 128 + br.sub * 16 + r];
+      return {d * sc, -(dmin * mn)};
+    }
+    case kQ6_K: {
+      const float d = group_block_half(br.fields, 0, r);
+      return {d * static_cast<float>(static_cast<int8_t>(br.fields[32 + (2 * br.sub + h) * 16 + r])), 0.f};
+    }
+    default:
+      return {group_block_half(br.fields, 0, r), layout(qt).has_m ? group_block_half(br.fields, 32, r) : 0.f};
+  }
+}
+
+// Row r's 32 unsigned quants of group-block `q` (Q8_0: q + 128).
+inline void row_quants(const uint8_t* q, int qt, int r, uint8_t out[32]) {
+  const Layout L = layout(qt);
+  if (L.quant_chunks == 8) {
+    for (int c = 0; c < 8; ++c)
+      for (int j = 0; j < 4; ++j) out[4 * c + j] = q[c * 64 + r * 4 + j];
+    return;
+  }
+  for (int c = 0; c < 4; ++c)
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t byte = q[c * 64 + r * 4 + j];
+      uint8_t lo = byte & 15, hi = byte >> 4;
+      if (L.plane_chunks == 1) {
+        const uint8_t pb = q[256 + r * 4 + j];
+        lo |= ((pb >> c) & 1) << 4;
+        hi |= ((pb >> (4 + c)) & 1) << 4;
+      } else if (L.plane_chunks == 2) {
+        lo |= ((q[256 + r * 4 + j] >> (2 * c)) & 3) << 4;
+        hi |= ((q[320 + r * 4 + j] >> (2 * c)) & 3) << 4;
+      }
+      out[4 * c + j] = lo;
+      out[16 + 4 * c + j] = hi;
+    }
 }
 
 // Instruction-set paths, best last.  `isa` arguments take these values, or -1 for the best available.

@@ -6,7 +6,8 @@
 //
 // Same packed layout as the AVX-512 path, in 256-bit halves: rows 0-7 of a group are the low 32
 // bytes of each 64-byte chunk, rows 8-15 the high 32.  Without VNNI the 8 Q4 nibble products of a
-// block are summed in int16, which cannot overflow (8 * 2 * 15 * 127 < 32768), and Q8_0 goes
+// block are summed in int16, which cannot overflow (8 * 2 * 15 * 127 < 32768; 5- and 6-bit quants
+// in runs of 4 and 2, see dot_words), and Q8_0 goes
 // through the sign trick on the signed weights (|w| <= 128, so one `vpmaddubsw` pair fits int16).
 // Both hold for either activation digit (|a| <= 127, |b| <= 64).
 //
@@ -15,44 +16,90 @@
 namespace qlinear {
 namespace QL_NS {
 
-// Integer dots of 8 rows (lanes) with one 32-byte int8 x block, from preloaded weight vectors:
-// Q8_0: w[0..7] the chunks (unsigned q + 128 with VNNI, signed q without); Q4: w[0..3] low nibbles
-// (x 0..15), w[4..7] high nibbles (x 16..31).
+// Integer dots of 8 rows (lanes) with `count` int8 x words xw[0..count) against the weight
+// vectors w[0..count) (Q8_0: unsigned q + 128 with VNNI, signed q without; the rest: unsigned
+// quants of 4-6 bits).  Without VNNI, `vpmaddubsw` pairs are summed in int16 in runs short enough
+// not to overflow: 2 * (2^bits - 1) * 127 per pair, 8 of them for 4 bits, 4 for 5, 2 for 6.
 template <int QT>
-QL_TARGET inline __m256i dot8(const __m256i* w, const int8_t* xb) {
-  const int32_t* xw = reinterpret_cast<const int32_t*>(xb);
+QL_TARGET inline __m256i dot_words(const __m256i* w, const int32_t* xw, int count) {
 #if QL_VNNI
   __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-  if (QT == kQ8_0) {
-    for (int c = 0; c < 8; c += 2) {
-      s0 = _mm256_dpbusd_avx_epi32(s0, w[c], _mm256_set1_epi32(xw[c]));
-      s1 = _mm256_dpbusd_avx_epi32(s1, w[c + 1], _mm256_set1_epi32(xw[c + 1]));
-    }
-  } else {
-    for (int c = 0; c < 4; ++c) {
-      s0 = _mm256_dpbusd_avx_epi32(s0, w[c], _mm256_set1_epi32(xw[c]));
-      s1 = _mm256_dpbusd_avx_epi32(s1, w[4 + c], _mm256_set1_epi32(xw[4 + c]));
-    }
+  for (int c = 0; c < count; c += 2) {
+    s0 = _mm256_dpbusd_avx_epi32(s0, w[c], _mm256_set1_epi32(xw[c]));
+    s1 = _mm256_dpbusd_avx_epi32(s1, w[c + 1], _mm256_set1_epi32(xw[c + 1]));
   }
   return _mm256_add_epi32(s0, s1);
 #else
   const __m256i ones16 = _mm256_set1_epi16(1);
+  __m256i s = _mm256_setzero_si256();
   if (QT == kQ8_0) {
-    __m256i s = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < count; ++c) {
       const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xw[c]), w[c]);
       s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[c]), xs), ones16));
     }
     return s;
   }
-  __m256i s16 = _mm256_setzero_si256();
-  for (int c = 0; c < 8; ++c) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(xw[c])));
-  return _mm256_madd_epi16(s16, ones16);
+  constexpr int kRun = 8 >> layout(QT).plane_chunks;
+  for (int c0 = 0; c0 < count; c0 += kRun) {
+    __m256i s16 = _mm256_setzero_si256();
+    for (int c = c0; c < c0 + kRun && c < count; ++c)
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(xw[c])));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, ones16));
+  }
+  return s;
 #endif
+}
+
+// A nibble chunk's high bits, 8 rows (plane_bits_avx512 in 256 bits).
+template <int QT>
+QL_TARGET inline __m256i plane_bits(const __m256i* plane, int c, int half) {
+  if (layout(QT).plane_chunks == 1) {
+    const __m256i v = half == 0 ? _mm256_slli_epi16(plane[0], 4 - c) : _mm256_srli_epi16(plane[0], c);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+  }
+  const int sh = 4 - 2 * c;
+  const __m256i v = sh >= 0 ? _mm256_slli_epi16(plane[half], sh) : _mm256_srli_epi16(plane[half], -sh);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x30));
+}
+
+// 8 fp16 values at `at`, and 8 bytes (signed or not), as floats.
+QL_TARGET inline __m256 half8(const uint8_t* at) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))); }
+QL_TARGET inline __m256 bytes8(const uint8_t* at, bool is_signed) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+
+// Integer dots of rows [8h, 8h + 8) (one activation row's `DIGITS` digit planes at xb) with the
+// weight vectors w[c0, c0 + count) against x words [c0, c0 + count), the digits combined.
+template <int QT, int DIGITS>
+QL_TARGET inline __m256i digits_dot(const __m256i* w, const int8_t* xb, int c0, int count) {
+  __m256i s = dot_words<QT>(w + c0, reinterpret_cast<const int32_t*>(xb) + c0, count);
+  if (DIGITS == 2)
+    s = _mm256_add_epi32(_mm256_slli_epi32(s, 7), dot_words<QT>(w + c0, reinterpret_cast<const int32_t*>(xb + kBlock) + c0, count));
+  return s;
+}
+
+// Rows [8h, 8h + 8)'s scale d and offset m - zero * d of group-block `br`, elements [16 part,
+// 16 part + 16) (block_scales_avx512 in 8 lanes).
+template <int QT>
+QL_TARGET inline void block_scales(const BlockRef& br, int h, int part, __m256& dv, __m256& mv) {
+  constexpr Layout L = layout(QT);
+  if (QT == kQ4_K || QT == kQ5_K) {
+    dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 64 + br.sub * 16 + h * 8, false));
+    mv = _mm256_xor_ps(_mm256_mul_ps(half8(br.fields + 32 + h * 16), bytes8(br.fields + 192 + br.sub * 16 + h * 8, false)),
+                       _mm256_set1_ps(-0.f));
+  } else if (QT == kQ6_K) {
+    dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 32 + (2 * br.sub + part) * 16 + h * 8, true));
+    mv = _mm256_mul_ps(dv, _mm256_set1_ps(-static_cast<float>(L.zero)));
+  } else {
+    dv = half8(br.fields + h * 16);
+    mv = L.has_m ? half8(br.fields + 32 + h * 16) : QT == kQ8_0 ? _mm256_setzero_ps() : _mm256_mul_ps(dv, _mm256_set1_ps(-static_cast<float>(L.zero)));
+  }
 }
 
 template <int QT, int MT, int DIGITS>
 QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, int passes) {
+  constexpr Layout L = layout(QT);
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(p.gbytes);
   const int nb = p.nb;
   __m256 acc[MT];
@@ -60,37 +107,50 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   PrefetchTurn turn(h == 0 ? pass : -1, passes);  // the second half re-reads the group from cache
   for (int b = 0; b < nb; ++b) {
-    const uint8_t* gb = wg + static_cast<int64_t>(b) * p.gbytes;
+    const BlockRef br = block_at<QT>(wg, b);
+    const uint8_t* gb = br.q;
     if (turn.next() && kPrefetchBytes > 0)
-      for (int off = 0; off < p.gbytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchBytes + off), QL_PREFETCH_HINT);
+      for (int off = 0; off < p.gbytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wg + static_cast<int64_t>(b) * p.gbytes + kPrefetchBytes + off), QL_PREFETCH_HINT);
     __m256i w[8];
-    __m256 dv, mv = _mm256_setzero_ps();
     if (QT == kQ8_0) {
       for (int c = 0; c < 8; ++c) w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + c * 64 + h * 32));
 #if !QL_VNNI
       for (int c = 0; c < 8; ++c) w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8(static_cast<char>(0x80)));
 #endif
-      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + group_block_d_at(kQ8_0) + h * 16)));
     } else {
+      __m256i plane[2];
+      for (int c = 0; c < L.plane_chunks; ++c)
+        plane[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 256 + c * 64 + h * 32));
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + c * 64 + h * 32));
         w[c] = _mm256_and_si256(v, low4);
         w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if (L.plane_chunks) {
+          w[c] = _mm256_or_si256(w[c], plane_bits<QT>(plane, c, 0));
+          w[4 + c] = _mm256_or_si256(w[4 + c], plane_bits<QT>(plane, c, 1));
+        }
       }
-      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + group_block_d_at(QT) + h * 16)));
-      mv = QT == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + group_block_m_at(QT) + h * 16)))
-                       : _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
     }
+    __m256 dv[2], mv[2];
+    for (int part = 0; part < (L.split ? 2 : 1); ++part) block_scales<QT>(br, h, part, dv[part], mv[part]);
     for (int t = 0; t < MT; ++t) {
-      const int64_t row = t0 + t;
+      const int64_t row = t0 + t, tb = row * nb + b;
       const int8_t* xb = p.xq + row * p.ldq + b * kBlock * DIGITS;
-      __m256i s = dot8<QT>(w, xb);
-      if (DIGITS == 2) s = _mm256_add_epi32(_mm256_slli_epi32(s, 7), dot8<QT>(w, xb + kBlock));
+      const __m256 xd = _mm256_set1_ps(p.xd[tb]);
+      if (L.split) {
+        for (int part = 0; part < 2; ++part) {
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(digits_dot<QT, DIGITS>(w, xb, 4 * part, 4)), _mm256_mul_ps(dv[part], xd), acc[t]);
+          acc[t] = _mm256_fmadd_ps(mv[part], _mm256_set1_ps(p.xsh[2 * tb + part]), acc[t]);
+        }
+        continue;
+      }
+      __m256i s = digits_dot<QT, DIGITS>(w, xb, 0, 8);
 #if QL_VNNI
-      if (QT == kQ8_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * p.xsum[row * nb + b]));
+      if (QT == kQ8_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * p.xsum[tb]));
 #endif
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(p.xd[row * nb + b])), acc[t]);
-      if (QT != kQ8_0) acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(p.xs[row * nb + b]), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv[0], xd), acc[t]);
+      if (QT != kQ8_0) acc[t] = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), acc[t]);
     }
   }
   const int valid = static_cast<int>(std::min<int64_t>(8, p.n - g * kGroupRows - h * 8));
@@ -109,20 +169,13 @@ QL_TARGET void group_rows(const Problem& p, int64_t g) {
   }
 }
 
-template <int DIGITS>
-QL_TARGET void group_qtype(const Problem& p, int64_t g) {
-  switch (p.qtype) {
-    case kQ4_0: group_rows<kQ4_0, DIGITS>(p, g); break;
-    case kQ4_1: group_rows<kQ4_1, DIGITS>(p, g); break;
-    default: group_rows<kQ8_0, DIGITS>(p, g); break;
-  }
+template <int QT>
+QL_TARGET void group_digits(const Problem& p, int64_t g) {
+  p.digits == 2 ? group_rows<QT, 2>(p, g) : group_rows<QT, 1>(p, g);
 }
 
 QL_TARGET void group_dispatch(const Problem& p, int64_t g) {
-  if (p.digits == 2)
-    group_qtype<2>(p, g);
-  else
-    group_qtype<1>(p, g);
+  dispatch_qtype(p.qtype, [&](auto qt) { group_digits<decltype(qt)::value>(p, g); });
 }
 
 }  // namespace QL_NS

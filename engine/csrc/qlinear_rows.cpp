@@ -22,34 +22,20 @@ namespace {
 using namespace qlinear;
 
 // Row r of packed group `wg` (nb group-blocks of `qtype`) dequantized into row[k], as
-// quant.py's dequantize_blocks computes it: Q8_0 q * d, Q4_0 (q - 8) * d, Q4_1 q * d + m.
-// A row's quants sit in 4-byte words 64 bytes apart (the 16 rows interleaved); they are copied
-// together first so that the arithmetic runs over contiguous bytes.
+// quant.py's dequantize_blocks (gguf.quants) computes it: d * (q - zero), plus m where the type
+// has an offset (row_scale in qlinear.h).
 inline __attribute__((always_inline)) void dequantize_row(const uint8_t* wg, int qtype, int nb, int r, float* row) {
-  const int gbytes = group_block_bytes(qtype);
+  const Layout L = layout(qtype);
   uint8_t q[kBlock];
   for (int b = 0; b < nb; ++b) {
-    const uint8_t* gb = wg + static_cast<int64_t>(b) * gbytes;
+    const BlockRef br = block_at(wg, qtype, b);
+    row_quants(br.q, qtype, r, q);
     float* out = row + b * kBlock;
-    if (qtype == kQ8_0) {
-      for (int c = 0; c < 8; ++c) std::memcpy(q + 4 * c, gb + c * 64 + r * 4, 4);
-      const float d = group_block_half(gb, group_block_d_at(kQ8_0), r);
-      for (int i = 0; i < kBlock; ++i) out[i] = static_cast<float>(static_cast<int8_t>(q[i] ^ 0x80)) * d;
-      continue;
-    }
-    for (int c = 0; c < 4; ++c) std::memcpy(q + 4 * c, gb + c * 64 + r * 4, 4);
-    const float d = group_block_half(gb, group_block_d_at(qtype), r);
-    if (qtype == kQ4_0) {
-      for (int i = 0; i < 16; ++i) {
-        out[i] = (static_cast<float>(q[i] & 15) - 8.f) * d;
-        out[16 + i] = (static_cast<float>(q[i] >> 4) - 8.f) * d;
-      }
-    } else {
-      const float m = group_block_half(gb, group_block_m_at(kQ4_1), r);
-      for (int i = 0; i < 16; ++i) {
-        const float lo = static_cast<float>(q[i] & 15) * d, hi = static_cast<float>(q[i] >> 4) * d;
-        out[i] = lo + m;
-        out[16 + i] = hi + m;
+    for (int h = 0; h < 2; ++h) {
+      const RowScale rs = row_scale(br, qtype, r, h);
+      for (int i = 16 * h; i < 16 * h + 16; ++i) {
+        const float v = rs.d * static_cast<float>(static_cast<int>(q[i]) - L.zero);
+        out[i] = L.has_m ? v + rs.m : v;
       }
     }
   }
@@ -106,9 +92,9 @@ __attribute__((target("avx2"))) void convert_group_avx2(const uint8_t* w, int qt
 }  // namespace
 
 std::vector<torch::Tensor> qlinear_rows_from_packed(const torch::Tensor& packed, int64_t qtype, int64_t n, int64_t k) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
-              "qlinear_rows_from_packed: qtype must be Q4_0, Q4_1 or Q8_0");
-  TORCH_CHECK(n > 0 && k > 0 && k % kBlock == 0, "qlinear_rows_from_packed: bad shape");
+  TORCH_CHECK(qtype_known(static_cast<int>(qtype)), "qlinear_rows_from_packed: unsupported qtype ", qtype);
+  TORCH_CHECK(n > 0 && k > 0 && k % (layout(static_cast<int>(qtype)).kquant ? kSuperBlocks * kBlock : kBlock) == 0,
+              "qlinear_rows_from_packed: bad shape");
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows, nb = k / kBlock;
   const int gbytes = group_block_bytes(static_cast<int>(qtype));
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&

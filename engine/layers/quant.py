@@ -1,4 +1,5 @@
-"""Packed low-bit weights (GGUF Q4_0 / Q4_1 / Q8_0 blocks) for the small-batch matmuls of decode.
+"""Packed low-bit weights (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks) for the
+small-batch matmuls of decode.
 
 Decode reads every weight once per token, so its speed is bytes per token over memory bandwidth.
 GGUF files already ship the linear weights as 4.5-8.5 bit blocks; keeping those blocks (instead of
@@ -22,9 +23,9 @@ when the engine asks for it (``EngineConfig.large_batch_matmul``, on by default 
 here too with int8 activations: VNNI int8 dot products outrun oneDNN's bf16 GEMM by 1.1-1.4x at
 32-1024 rows on the development host (``benchmarks/linear_kernels.py``, column "packed a8").
 
-Packed layout (built here with torch ops, described in ``engine/csrc/qlinear.h``): groups of 16
-output rows, each a sequential run of "group-blocks" whose quants are interleaved in 4-byte words
-so one vector instruction advances 16 rows at once.
+Packed layout (built by ``engine/layers/gguf_blocks.py`` with torch ops, described in
+``engine/csrc/qlinear.h``): groups of 16 output rows, each a sequential run of "group-blocks" whose
+quants are interleaved in 4-byte words so one vector instruction advances 16 rows at once.
 """
 
 from __future__ import annotations
@@ -37,17 +38,23 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch import nn
 
+from engine.layers import gguf_blocks
+from engine.layers.gguf_blocks import QTYPE_IDS, deinterleave_rows as _deinterleave_rows, interleave_rows as _interleave_rows
+
 if TYPE_CHECKING:
     from engine.layers.linear import Linear
     from engine.loader import GGUFTensor
 
 logger = logging.getLogger(__name__)
 
-QTYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # GGML type ids, as the native op takes them
 BLOCK = 32
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF bytes per 32 weights
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # GGUF bytes per 32 weights (32-weight types)
 GROUP_ROWS = 16
-GROUP_BLOCK_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544}
+GROUP_BLOCK_BYTES = {q: gguf_blocks.group_block_bytes(q) for q in QTYPE_IDS}  # average, per 16 rows x 32 weights
+# The routing constants below come in two families by bytes per weight: "Q4" for the 4.5-5.5 bit
+# types (Q4_*, Q5_*), "Q8" for the 6.6-8.5 bit ones (Q6_K, Q8_0), whose block kernel saves fewer
+# bytes over the dense or row-int8 paths and does more unpacking per byte than Q4's.
+FAMILY = {"Q4_0": "Q4", "Q4_1": "Q4", "Q5_0": "Q4", "Q5_1": "Q4", "Q4_K": "Q4", "Q5_K": "Q4", "Q6_K": "Q8", "Q8_0": "Q8"}
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni", 4: "amx-int8"}  # amx-int8: row-int8 only
 
 # Largest batch that goes to the packed kernel, by (qtype family, activation bits).  Measured with
@@ -159,7 +166,7 @@ class PackedWeight:
         n, k = shape
         groups = -(-n // GROUP_ROWS)
         expected = groups * (k // BLOCK) * GROUP_BLOCK_BYTES[qtype]
-        if data.dtype != torch.uint8 or data.numel() != expected or k % BLOCK:
+        if data.dtype != torch.uint8 or data.numel() != expected or k % gguf_blocks.block_weights(qtype):
             raise ValueError(f"packed {qtype} data of {data.numel()} bytes does not fit shape {shape}")
         self.data = data.contiguous()
         self.qtype = qtype
@@ -240,6 +247,69 @@ class PackedWeight:
             f"PackedWeight({self.qtype}, shape={self.shape}, {self.nbytes / 2**20:.2f} MiB, "
             f"isa={self.isa or 'best'}, act_bits={self.act_bits})"
         )
+
+
+class PackedParts:
+    """Row-stacked packed weights of different qtypes, ``self(x, bias)`` = F.linear of their stack.
+
+    A merged projection whose sources differ in type (a Q4_K_M file's qkv_proj: q and k in Q4_K,
+    v in Q6_K in half the layers) keeps each source's own blocks instead of going dense; each part
+    is one kernel call into its slice of the output columns.  The fused decoder layer takes single
+    packed weights only, so such a layer runs the modular path.
+    """
+
+    def __init__(self, parts: Sequence[PackedWeight]) -> None:
+        if len(parts) < 2 or len({p.in_features for p in parts}) != 1 or any(p.out_features % GROUP_ROWS for p in parts[:-1]):
+            raise ValueError("packed parts need one in_features and whole 16-row groups in all but the last")
+        self.parts = list(parts)
+        self.shape = (sum(p.out_features for p in parts), parts[0].in_features)
+        # routing (max rows, row-int8 switch) follows the qtype holding the most rows
+        self.qtype = max(parts, key=lambda p: p.out_features).qtype
+        self.act_bits = parts[0].act_bits
+        self.isa = parts[0].isa
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def with_isa(self, isa: Optional[str], act_bits: Optional[int] = None) -> "PackedParts":
+        return PackedParts([p.with_isa(isa, act_bits) for p in self.parts])
+
+    def __call__(
+        self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_bits: int = 0, float32_out: bool = False
+    ) -> torch.Tensor:
+        outs, at = [], 0
+        for p in self.parts:
+            b = None if bias is None else bias[at : at + p.out_features]
+            outs.append(p(x, b, act_bits, float32_out))
+            at += p.out_features
+        return torch.cat(outs, dim=-1)
+
+    def argmax(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_bits: int = 0) -> Optional[torch.Tensor]:
+        """None: the caller takes the logits (parts serve merged layer projections, not LM heads)."""
+        return None
+
+    def rows_int8(self, isa: Optional[str] = None) -> "RowInt8Weight":
+        """The row-int8 copy of the stack: the parts' copies end to end (whole groups each)."""
+        copies = [rows_int8_from(p, isa) for p in self.parts]
+        return RowInt8Weight(
+            torch.cat([c.data for c in copies]), torch.cat([c.scales for c in copies]), self.shape, isa
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out_features, in_features]."""
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def __repr__(self) -> str:
+        return f"PackedParts({', '.join(repr(p) for p in self.parts)})"
 
 
 class RowInt8Weight:
@@ -337,10 +407,12 @@ def quantize_rows_int8(w: torch.Tensor, isa: Optional[str] = None) -> RowInt8Wei
     return RowInt8Weight(packed, scales, (int(n), int(k)), isa)
 
 
-def rows_int8_from(packed: PackedWeight, isa: Optional[str] = None) -> RowInt8Weight:
+def rows_int8_from(packed: "PackedWeight | PackedParts", isa: Optional[str] = None) -> RowInt8Weight:
     """The row-int8 copy of a packed weight: ``quantize_rows_int8(packed.dequantize())``, computed
     natively a row at a time (bit-identical; the torch ops' float32 temporaries took ~0.85 s of the
     default model's start-up, the native pass ~0.1 s)."""
+    if isinstance(packed, PackedParts):
+        return packed.rows_int8(isa)
     data, scales = _native().qlinear_rows_from_packed(packed.data, packed.qtype_id, *packed.shape)
     return RowInt8Weight(data, scales, packed.shape, isa)
 
@@ -348,68 +420,37 @@ def rows_int8_from(packed: PackedWeight, isa: Optional[str] = None) -> RowInt8We
 # ---------------------------------------------------------------- layout
 
 
-def _fields(qtype: str) -> tuple[int, int]:
-    """(bytes of fp16 scale fields, quant bytes) of one GGUF block."""
-    return {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q8_0": (2, 32)}[qtype]
-
-
-def _interleave_rows(qs: torch.Tensor) -> torch.Tensor:
-    """Quants uint8 [groups, 16, nb, qb] -> [groups, nb, qb * 16]: per group-block, chunk c holds
-    bytes [4c, 4c + 4) of each of the 16 rows in turn (the kernels' 4-byte-word interleave)."""
-    groups, _, nb, qb = qs.shape
-    return qs.reshape(groups, GROUP_ROWS, nb, qb // 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, qb * GROUP_ROWS)
-
-
-def _deinterleave_rows(qs: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_interleave_rows`: [groups, nb, qb * 16] -> [groups, 16, nb, qb]."""
-    groups, nb, width = qs.shape
-    qb = width // GROUP_ROWS
-    return qs.reshape(groups, nb, qb // 4, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(groups, GROUP_ROWS, nb, qb)
-
-
 def pack_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
-    """GGUF blocks uint8 [N, K/32 * block_bytes] -> the kernel's flat uint8 layout (see qlinear.h)."""
+    """GGUF blocks uint8 [N, bytes_per_row] -> the kernel's flat uint8 layout (see qlinear.h)."""
     n, k = shape
-    nb = k // BLOCK
-    bb = BLOCK_BYTES[qtype]
-    if raw.dtype != torch.uint8 or tuple(raw.shape) != (n, nb * bb):
-        raise ValueError(f"{qtype} blocks for shape {shape} must be uint8 [{n}, {nb * bb}], got {tuple(raw.shape)}")
+    bw, bb = gguf_blocks.GGUF_BLOCKS[qtype]
+    if k % bw or raw.dtype != torch.uint8 or tuple(raw.shape) != (n, k // bw * bb):
+        raise ValueError(f"{qtype} blocks for shape {shape} must be uint8 [{n}, {k // bw * bb}], got {tuple(raw.shape)}")
     groups = -(-n // GROUP_ROWS)
     if groups * GROUP_ROWS != n:
         raw = torch.cat([raw, raw.new_zeros(groups * GROUP_ROWS - n, raw.shape[1])])
-    sb, qb = _fields(qtype)
-    r = raw.reshape(groups, GROUP_ROWS, nb, bb)
-    qs = r[..., sb:]
-    if qtype == "Q8_0":
-        qs = qs ^ 0x80  # signed quants as unsigned q + 128 (the kernel subtracts 128 * sum(x_q))
-    parts = [_interleave_rows(qs)]
-    for off in range(0, sb, 2):  # d, then m: 16 fp16 values per field
-        parts.append(r[..., off : off + 2].permute(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP_ROWS))
-    return torch.cat(parts, dim=-1).reshape(-1).contiguous()
+    q, fields = gguf_blocks.decode(raw, qtype, k)
+    return gguf_blocks.pack_units(q, fields, qtype)
 
 
 def unpack_blocks(data: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
-    """Inverse of :func:`pack_blocks`: uint8 [N, K/32 * block_bytes] GGUF blocks."""
+    """Inverse of :func:`pack_blocks`: uint8 [N, bytes_per_row] GGUF blocks."""
     n, k = shape
-    nb = k // BLOCK
     groups = -(-n // GROUP_ROWS)
-    sb, qb = _fields(qtype)
-    g = data.reshape(groups, nb, GROUP_BLOCK_BYTES[qtype])
-    qs = _deinterleave_rows(g[..., : qb * GROUP_ROWS])
-    if qtype == "Q8_0":
-        qs = qs ^ 0x80
-    parts = []
-    base = qb * GROUP_ROWS
-    for off in range(0, sb, 2):
-        f = g[..., base + off * GROUP_ROWS : base + (off + 2) * GROUP_ROWS]
-        parts.append(f.reshape(groups, nb, GROUP_ROWS, 2).permute(0, 2, 1, 3))
-    blocks = torch.cat(parts + [qs], dim=-1).reshape(groups * GROUP_ROWS, nb * BLOCK_BYTES[qtype])
-    return blocks[:n].contiguous()
+    q, fields = gguf_blocks.unpack_units(data, qtype, groups * GROUP_ROWS, k)
+    return gguf_blocks.encode(q, fields, qtype)[:n].contiguous()
 
 
 def dequantize_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
-    """GGUF blocks uint8 [N, bytes_per_row] -> float32 [N, K] (torch port of gguf.quants)."""
+    """GGUF blocks uint8 [N, bytes_per_row] -> float32 [N, K]: a torch port of gguf.quants for
+    Q4_0/Q4_1/Q8_0 (the row-int8 test compares against it a lot), gguf.quants itself for the rest."""
     n, k = shape
+    if qtype not in BLOCK_BYTES or qtype.startswith("Q5"):
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        w = dequantize(raw.contiguous().numpy(), getattr(GGMLQuantizationType, qtype))
+        return torch.from_numpy(w.copy()).reshape(n, k)
     nb = k // BLOCK
     r = raw.reshape(n, nb, BLOCK_BYTES[qtype])
     d = r[..., 0:2].contiguous().view(torch.float16).float()
@@ -427,32 +468,51 @@ def dequantize_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> 
 # ---------------------------------------------------------------- constructors
 
 
-def packable(tensors: Sequence["GGUFTensor"]) -> bool:
-    """Whether :func:`pack_gguf` packs these tensors' row-concatenation: a kernel for their qtype
-    (:data:`QTYPE_IDS`, the one list of packable types), one qtype and width, K a multiple of 32,
-    and the native extension."""
+def packing_refusal(tensors: Sequence["GGUFTensor"]) -> Optional[str]:
+    """Why the row-concatenation of these GGUF tensors cannot be packed (None: it can)."""
     if not tensors:
-        return False
-    qtype = tensors[0].qtype
+        return "no tensors"
     k = int(tensors[0].shape[1])
-    if qtype not in QTYPE_IDS or k % BLOCK or any(t.qtype != qtype or int(t.shape[1]) != k for t in tensors):
-        return False
-    return native_available()
+    if any(int(t.shape[1]) != k for t in tensors):
+        return "in_features differ"
+    for t in tensors:
+        if t.qtype not in QTYPE_IDS:
+            return f"{t.qtype} has no packed kernel"
+        if k % gguf_blocks.block_weights(t.qtype):
+            return f"{t.qtype} needs in_features divisible by {gguf_blocks.block_weights(t.qtype)}, got {k}"
+    if len({t.qtype for t in tensors}) > 1 and any(int(t.shape[0]) % GROUP_ROWS for t in tensors[:-1]):
+        return "mixed qtypes with a part of rows not divisible by 16"
+    if not native_available():
+        return "no native extension"
+    return None
+
+
+def packable(tensors: Sequence["GGUFTensor"]) -> bool:
+    """Whether :func:`pack_gguf` packs these tensors (:func:`packing_refusal` finds no reason not to)."""
+    return packing_refusal(tensors) is None
 
 
 def pack_gguf(
     tensors: Sequence["GGUFTensor"], isa: Optional[str] = None, act_bits: Optional[int] = None
-) -> Optional[PackedWeight]:
+) -> "Optional[PackedWeight | PackedParts]":
     """Pack the row-concatenation of GGUF tensors (e.g. q, k, v -> qkv_proj), or None when there is
-    no kernel for them: a qtype other than Q4_0/Q4_1/Q8_0, mixed qtypes or widths, K not a
-    multiple of 32, or no native extension."""
-    if not packable(tensors):
+    no kernel for them (:func:`packing_refusal` says why).  Tensors of one qtype become one
+    PackedWeight; mixed qtypes a PackedParts of each run of equal ones."""
+    if packing_refusal(tensors) is not None:
         return None
-    qtype = tensors[0].qtype
-    k = int(tensors[0].shape[1])
-    n = sum(int(t.shape[0]) for t in tensors)
-    raw = tensors[0].data if len(tensors) == 1 else torch.cat([t.data for t in tensors], dim=0)
-    return PackedWeight(pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, act_bits)
+    runs: list[list["GGUFTensor"]] = []
+    for t in tensors:
+        if runs and runs[-1][0].qtype == t.qtype:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    parts = []
+    for run in runs:
+        qtype, k = run[0].qtype, int(run[0].shape[1])
+        n = sum(int(t.shape[0]) for t in run)
+        raw = run[0].data if len(run) == 1 else torch.cat([t.data for t in run], dim=0)
+        parts.append(PackedWeight(pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, act_bits))
+    return parts[0] if len(parts) == 1 else PackedParts(parts)
 
 
 def quantize_q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
@@ -493,7 +553,7 @@ def default_max_rows(qtype: str = "Q4_1", act_bits: Optional[int] = None, large_
     bits = default_act_bits() if act_bits is None else act_bits
     if large_act_bits and large_act_bits < bits:
         return MAX_ROWS_BEFORE_INT8
-    return MAX_ROWS[(qtype[:2], bits)]
+    return MAX_ROWS[(FAMILY[qtype], bits)]
 
 
 def default_act_bits() -> int:
@@ -503,7 +563,7 @@ def default_act_bits() -> int:
 
 def attach_packed(
     linear: "Linear",
-    packed: Optional[PackedWeight],
+    packed: "Optional[PackedWeight | PackedParts]",
     max_rows: Optional[int] = None,
     large_act_bits: int = 0,
     rows_int8: bool = False,
@@ -524,7 +584,7 @@ def attach_packed(
     linear.packed_max_rows = max_rows
     linear.large_act_bits = large_act_bits
     linear.rows_int8 = rows_int8_from(packed) if rows_int8 and large_act_bits else None
-    linear.rows_int8_min_rows = ROWS_INT8_MIN_ROWS[packed.qtype[:2]]
+    linear.rows_int8_min_rows = ROWS_INT8_MIN_ROWS[FAMILY[packed.qtype]]
     return True
 
 
@@ -585,6 +645,21 @@ def release_dense_weights(model: nn.Module) -> int:
             freed += lin.weight.numel() * lin.weight.element_size()
             lin.weight = nn.Parameter(lin.weight.new_empty(0, lin.in_features), requires_grad=False)
     return freed
+
+
+def dense_summary(reasons: Sequence[tuple[str, str]]) -> str:
+    """One log line's worth of (module name, reason) pairs: names that differ only in their layer
+    index and share the reason are counted together, e.g. "mlp.down_proj in 16 layers (Q3_K
+    8192x2048: Q3_K has no packed kernel)"."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, why in reasons:
+        parts = name.split(".")
+        key = ".".join(parts[2:]) if parts[0] == "layers" and len(parts) > 2 else name
+        groups.setdefault((key, why), []).append(name)
+    return "; ".join(
+        f"{key} in {len(names)} layers ({why})" if len(names) > 1 or names[0] != key else f"{key} ({why})"
+        for (key, why), names in groups.items()
+    )
 
 
 _MERGED = {
@@ -672,7 +747,7 @@ def tune_rows_int8_min_rows(model: nn.Module, passes: int = 3) -> Optional[int]:
     tuned = [
         lin
         for lin in model.modules()
-        if isinstance(lin, Linear) and lin.rows_int8 is not None and lin.large_act_bits and lin.packed.qtype[:2] == "Q4"
+        if isinstance(lin, Linear) and lin.rows_int8 is not None and lin.large_act_bits and FAMILY[lin.packed.qtype] == "Q4"
     ]
     if not tuned:
         return None
@@ -720,25 +795,35 @@ def attach_gguf_weights(
 ) -> dict[str, Any]:
     """Attach packed weights to every Linear of a Llama-family model (HF names, as the loader gives).
 
-    Each projection takes its GGUF blocks when there is a kernel for their qtype; otherwise, with
+    Each projection takes its GGUF blocks when there is a kernel for their qtype (a merged one of
+    mixed qtypes as :class:`PackedParts`); otherwise, with
     ``quantize_dense`` (opt-in, lossy), a Q8_0 copy of its dense weight; else it stays dense.  The
     LM head uses ``lm_head.weight`` or, tied, ``model.embed_tokens.weight``.  With ``rows_int8``
     (and ``large_act_bits``) each also gets a row-scaled int8 copy for large batches.  Returns
-    counts and packed bytes (both copies) for the load log.
+    counts, packed bytes (both copies) and, under "dense_reasons", (name, "qtype shape: reason")
+    for each projection left dense (:func:`dense_summary` words them for the load log).
     """
     from engine.layers.linear import Linear
 
-    stats = {"packed": 0, "quantized": 0, "dense": 0, "bytes": 0}
+    stats: dict[str, Any] = {"packed": 0, "quantized": 0, "dense": 0, "bytes": 0, "dense_reasons": []}
     if not native_available() or (max_rows is not None and max_rows <= 0):
-        stats["dense"] = sum(1 for m in model.modules() if isinstance(m, Linear))
+        why = "no native extension" if not native_available() else "packed path disabled (max rows 0)"
+        stats["dense_reasons"] = [(n, why) for n, m in model.named_modules() if isinstance(m, Linear)]
+        stats["dense"] = len(stats["dense_reasons"])
         return stats
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
         sources = _linear_sources(name, gguf_tensors)
-        packed = None
+        packed, why = None, "not in the file as blocks"
         if all(s in gguf_tensors for s in sources):
-            packed = pack_gguf([gguf_tensors[s] for s in sources])
+            found = [gguf_tensors[s] for s in sources]
+            why = packing_refusal(found)
+            if why is None:
+                packed = pack_gguf(found)
+            else:  # for the load log: which tensors run dense, and why
+                kinds = ", ".join(f"{t.qtype} {int(t.shape[0])}x{int(t.shape[1])}" for t in found)
+                why = f"{kinds}: {why}"
         if packed is not None:
             stats["packed"] += 1
         elif quantize_dense:
@@ -746,6 +831,7 @@ def attach_gguf_weights(
             stats["quantized"] += 1
         else:
             stats["dense"] += 1
+            stats["dense_reasons"].append((name, why))
             continue
         attach_packed(module, packed, max_rows, large_act_bits, rows_int8)
         stats["bytes"] += packed.nbytes + (module.rows_int8.nbytes if module.rows_int8 is not None else 0)

@@ -1,0 +1,278 @@
+"""GGUF quant blocks <-> the packed kernel layout of ``engine/csrc/qlinear.h``, for every block type
+with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+
+Both directions go through one neutral form, "units": each weight's unsigned integer quant
+(uint8 [N, K]; Q8_0's q + 128) and the per-block fields as the file holds them (fp16 scales as
+raw bytes, the K types' 6-bit scales and mins one byte each).  :func:`decode` / :func:`encode`
+convert GGUF bytes to and from units (a bijection: ``encode(decode(raw)) == raw``), and
+:func:`pack_units` / :func:`unpack_units` units to and from the packed layout.  Nothing is
+rounded: the packed weights dequantize to exactly the file's values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP_ROWS = 16
+BLOCK = 32
+SUPER = 256  # weights per K-type super-block
+
+# GGML type ids, as the native op takes them.
+QTYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# (weights, bytes) of one GGUF block.
+GGUF_BLOCKS = {
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+# Byte offsets of each GGUF block's fp16 fields (d, and m / dmin): with any bytes elsewhere a block
+# is valid, which is how tests and benchmarks make random ones.
+FP16_AT = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+# Per type: (quant bytes per row and 32-block: nibbles or Q8_0's bytes, high-bit plane bytes).
+_QUANT_BYTES = {"Q8_0": (32, 0), "Q5_0": (16, 4), "Q5_1": (16, 4), "Q5_K": (16, 4), "Q6_K": (16, 8)}
+_HEADER_BYTES = {"Q4_K": 64 + 256, "Q5_K": 64 + 256, "Q6_K": 32 + 256}  # per 16 rows and super-block
+
+
+def quant_bytes(qtype: str) -> tuple[int, int]:
+    """(nibble or byte quants, high-bit plane) bytes of one row's 32-block in the packed layout."""
+    return _QUANT_BYTES.get(qtype, (16, 0))
+
+
+def group_block_bytes(qtype: str) -> int:
+    """Average packed bytes per 16 rows x 32 weights (qlinear.h's group_block_bytes)."""
+    q, p = quant_bytes(qtype)
+    if qtype in K_TYPES:
+        return (_HEADER_BYTES[qtype] + 8 * (q + p) * GROUP_ROWS) // 8
+    fields = 4 if qtype in ("Q4_1", "Q5_1") else 2
+    return (q + p + fields) * GROUP_ROWS
+
+
+def block_weights(qtype: str) -> int:
+    """in_features must be a multiple of this (a GGUF block)."""
+    return GGUF_BLOCKS[qtype][0]
+
+
+# ---------------------------------------------------------------- GGUF bytes <-> units
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32]: low nibbles are elements 0-15, high ones 16-31."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _join_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_nibbles` on the low 4 bits of q [..., 32]."""
+    return (q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)
+
+
+_BITS32 = torch.arange(32, dtype=torch.int64)
+
+
+def _bits_of_u32(b: torch.Tensor) -> torch.Tensor:
+    """[..., 4] little-endian bytes -> [..., 32] bits."""
+    word = b.to(torch.int64)
+    word = word[..., 0] | (word[..., 1] << 8) | (word[..., 2] << 16) | (word[..., 3] << 24)
+    return ((word[..., None] >> _BITS32) & 1).to(torch.uint8)
+
+
+def _u32_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_bits_of_u32`."""
+    word = (bits.to(torch.int64) << _BITS32).sum(-1)
+    return torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+
+
+def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K 12 scale bytes [..., 12] -> 8 six-bit scales and 8 mins (gguf's get_scale_min)."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+    return sc, mn
+
+
+def _pack_scale_min_k4(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_scale_min_k4`."""
+    return torch.cat(
+        [sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6), (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)],
+        dim=-1,
+    )
+
+
+def decode(raw: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GGUF blocks uint8 [N, K / block weights * block bytes] -> (unsigned quants uint8 [N, K], fields).
+
+    Fields, uint8: non-K types "d" (and "m") [N, K/32, 2] fp16 bytes; Q4_K/Q5_K "d", "dmin"
+    [N, K/256, 2], "sc", "mn" [N, K/256, 8]; Q6_K "d" [N, K/256, 2], "sc" [N, K/256, 16] (int8 bits).
+    """
+    n = raw.shape[0]
+    bw, bb = GGUF_BLOCKS[qtype]
+    b = raw.reshape(n, k // bw, bb)
+    if qtype == "Q8_0":
+        return (b[..., 2:] ^ 0x80).reshape(n, k), {"d": b[..., 0:2]}
+    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        sb = 4 if qtype.endswith("_1") else 2
+        fields = {"d": b[..., 0:2]} | ({"m": b[..., 2:4]} if sb == 4 else {})
+        if qtype.startswith("Q4"):
+            return _nibbles(b[..., sb:]).reshape(n, k), fields
+        q = _nibbles(b[..., sb + 4 :]) | (_bits_of_u32(b[..., sb : sb + 4]) << 4)
+        return q.reshape(n, k), fields
+    ns = k // SUPER
+    if qtype == "Q6_K":
+        ql, qh, sc, d = b[..., :128], b[..., 128:192], b[..., 192:208], b[..., 208:210]
+        # element 128h + 32j + l: low nibble of ql[64h + 32(j % 2) + l] (>> 4 for j >= 2), high
+        # bits 2j..2j+1 of qh[32h + l]
+        lo = torch.stack([ql.reshape(n, ns, 2, 64) & 15, ql.reshape(n, ns, 2, 64) >> 4], dim=2)  # [n, ns, sh, h, 64]
+        lo = lo.permute(0, 1, 3, 2, 4).reshape(n, ns, 2, 128)
+        hb = qh.reshape(n, ns, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 1, 4, 1)
+        q = lo | ((hb & 3).reshape(n, ns, 2, 128) << 4)
+        return q.reshape(n, k), {"d": d, "sc": sc}
+    d, dmin, scales = b[..., 0:2], b[..., 2:4], b[..., 4:16]
+    sc, mn = _scale_min_k4(scales)
+    qs = b[..., -128:].reshape(n, ns, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 1, 2, 1)
+    q = (qs & 15).reshape(n, ns, 256)
+    if qtype == "Q5_K":  # bit s of qh[l]: element 32s + l
+        qh = b[..., 16:48].reshape(n, ns, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)
+        q = q | ((qh & 1).reshape(n, ns, 256) << 4)
+    return q.reshape(n, k), {"d": d, "dmin": dmin, "sc": sc, "mn": mn}
+
+
+def encode(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> torch.Tensor:
+    """Inverse of :func:`decode`: GGUF blocks uint8 [N, bytes per row]."""
+    n, k = q.shape
+    bw, bb = GGUF_BLOCKS[qtype]
+    if qtype == "Q8_0":
+        return torch.cat([fields["d"], (q ^ 0x80).reshape(n, k // 32, 32)], dim=-1).reshape(n, -1)
+    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        qb = q.reshape(n, k // 32, 32)
+        parts = [fields["d"]] + ([fields["m"]] if "m" in fields else [])
+        if qtype.startswith("Q5"):
+            parts.append(_u32_of_bits((qb >> 4) & 1))
+        parts.append(_join_nibbles(qb))
+        return torch.cat(parts, dim=-1).reshape(n, -1)
+    ns = k // SUPER
+    qs = q.reshape(n, ns, 256)
+    if qtype == "Q6_K":
+        lo = (qs & 15).reshape(n, ns, 2, 2, 64)  # [h, sh, 64]
+        ql = (lo[:, :, :, 0] | (lo[:, :, :, 1] << 4)).reshape(n, ns, 128)
+        hb = ((qs >> 4) & 3).reshape(n, ns, 2, 4, 32)
+        qh = (hb[:, :, :, 0] | (hb[:, :, :, 1] << 2) | (hb[:, :, :, 2] << 4) | (hb[:, :, :, 3] << 6)).reshape(n, ns, 64)
+        return torch.cat([ql, qh, fields["sc"], fields["d"]], dim=-1).reshape(n, -1)
+    lo = (qs & 15).reshape(n, ns, 4, 2, 32)
+    parts = [fields["d"], fields["dmin"], _pack_scale_min_k4(fields["sc"], fields["mn"])]
+    if qtype == "Q5_K":
+        hb = ((qs >> 4) & 1).reshape(n, ns, 8, 32).to(torch.int32) << torch.arange(8, dtype=torch.int32).reshape(1, 1, 8, 1)
+        parts.append(hb.sum(2).to(torch.uint8))
+    parts.append((lo[:, :, :, 0] | (lo[:, :, :, 1] << 4)).reshape(n, ns, 128))
+    out = torch.cat(parts, dim=-1)
+    assert out.shape[-1] == bb
+    return out.reshape(n, -1)
+
+
+# ---------------------------------------------------------------- units <-> packed layout
+
+
+def interleave_rows(qs: torch.Tensor) -> torch.Tensor:
+    """Quants uint8 [groups, 16, nb, qb] -> [groups, nb, qb * 16]: per group-block, chunk c holds
+    bytes [4c, 4c + 4) of each of the 16 rows in turn (the kernels' 4-byte-word interleave)."""
+    groups, _, nb, qb = qs.shape
+    return qs.reshape(groups, GROUP_ROWS, nb, qb // 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, qb * GROUP_ROWS)
+
+
+def deinterleave_rows(qs: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`interleave_rows`: [groups, nb, qb * 16] -> [groups, 16, nb, qb]."""
+    groups, nb, width = qs.shape
+    qb = width // GROUP_ROWS
+    return qs.reshape(groups, nb, qb // 4, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(groups, GROUP_ROWS, nb, qb)
+
+
+def _row_fields(f: torch.Tensor, groups: int) -> torch.Tensor:
+    """A per-row field [groups * 16, blocks, w] -> [groups, blocks, 16 * w] (the 16 rows side by side)."""
+    _, blocks, w = f.shape
+    return f.reshape(groups, GROUP_ROWS, blocks, w).permute(0, 2, 1, 3).reshape(groups, blocks, GROUP_ROWS * w)
+
+
+def _unrow_fields(f: torch.Tensor, w: int) -> torch.Tensor:
+    """Inverse of :func:`_row_fields`: [groups, blocks, 16 * w] -> [groups * 16, blocks, w]."""
+    groups, blocks, _ = f.shape
+    return f.reshape(groups, blocks, GROUP_ROWS, w).permute(0, 2, 1, 3).reshape(groups * GROUP_ROWS, blocks, w)
+
+
+def _plane(q: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The high-bit plane bytes of each row's 32-blocks, q [rows, nb, 32] -> [rows, nb, 4 or 8]
+    (qlinear.h: byte j, bit c (Q5) or bits 2c..2c+1 (Q6) for element 4c + j, then 16 + 4c + j)."""
+    q5 = qtype.startswith("Q5")
+    hb = ((q >> 4) & (1 if q5 else 3)).to(torch.int32).reshape(*q.shape[:-1], 2, 4, 4)  # [half, c, j]
+    shift = (torch.arange(4, dtype=torch.int32) * (1 if q5 else 2)).reshape(4, 1)
+    if q5:  # one byte per j: half 0 in bits 0-3, half 1 in bits 4-7
+        b = (hb[..., 0, :, :] << shift).sum(-2) | ((hb[..., 1, :, :] << shift).sum(-2) << 4)
+    else:  # half 0 bytes, then half 1 bytes
+        b = torch.cat([(hb[..., 0, :, :] << shift).sum(-2), (hb[..., 1, :, :] << shift).sum(-2)], dim=-1)
+    return b.to(torch.uint8)
+
+
+def _unplane(b: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Inverse of :func:`_plane`: the high bits of each element, shifted to bit 4, [rows, nb, 32]."""
+    q5 = qtype.startswith("Q5")
+    c = torch.arange(4, dtype=torch.int32).reshape(4, 1)
+    b = b.to(torch.int32)
+    if q5:
+        halves = [(b[..., None, :] >> c) & 1, (b[..., None, :] >> (c + 4)) & 1]
+    else:
+        halves = [(b[..., None, :4] >> (2 * c)) & 3, (b[..., None, 4:] >> (2 * c)) & 3]
+    hb = torch.stack(halves, dim=-3).reshape(*b.shape[:-1], 32)
+    return (hb << 4).to(torch.uint8)
+
+
+def pack_units(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> torch.Tensor:
+    """Units (rows a multiple of 16) -> the packed layout, flat uint8 (see qlinear.h)."""
+    rows, k = q.shape
+    groups, nb = rows // GROUP_ROWS, k // BLOCK
+    qb = q.reshape(rows, nb, 32)
+    quants = qb if qtype == "Q8_0" else _join_nibbles(qb)
+    parts = [interleave_rows(quants.reshape(groups, GROUP_ROWS, nb, -1))]
+    if quant_bytes(qtype)[1]:
+        parts.append(interleave_rows(_plane(qb, qtype).reshape(groups, GROUP_ROWS, nb, -1)))
+    blocks = torch.cat(parts, dim=-1)  # [groups, nb, quant bytes]
+    if qtype not in K_TYPES:
+        fs = [_row_fields(fields[name], groups) for name in ("d", "m") if name in fields]
+        return torch.cat([blocks] + fs, dim=-1).reshape(-1).contiguous()
+    ns = k // SUPER
+    if qtype == "Q6_K":
+        header = [_row_fields(fields["d"], groups), _row_fields(fields["sc"].reshape(rows, ns * 16, 1), groups).reshape(groups, ns, -1)]
+    else:
+        header = [_row_fields(fields[name], groups) for name in ("d", "dmin")]
+        header += [_row_fields(fields[name].reshape(rows, ns * 8, 1), groups).reshape(groups, ns, -1) for name in ("sc", "mn")]
+    return torch.cat(header + [blocks.reshape(groups, ns, -1)], dim=-1).reshape(-1).contiguous()
+
+
+def unpack_units(data: torch.Tensor, qtype: str, rows: int, k: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Inverse of :func:`pack_units`."""
+    groups, nb = rows // GROUP_ROWS, k // BLOCK
+    qn, qp = quant_bytes(qtype)
+    qbytes = (qn + qp) * GROUP_ROWS
+    fields: dict[str, torch.Tensor] = {}
+    if qtype in K_TYPES:
+        ns = k // SUPER
+        s = data.reshape(groups, ns, -1)
+        h = _HEADER_BYTES[qtype]
+        blocks = s[..., h:].reshape(groups, nb, qbytes)
+        if qtype == "Q6_K":
+            fields["d"] = _unrow_fields(s[..., 0:32], 2)
+            fields["sc"] = _unrow_fields(s[..., 32:288].reshape(groups, ns * 16, 16), 1).reshape(rows, ns, 16)
+        else:
+            fields["d"] = _unrow_fields(s[..., 0:32], 2)
+            fields["dmin"] = _unrow_fields(s[..., 32:64], 2)
+            fields["sc"] = _unrow_fields(s[..., 64:192].reshape(groups, ns * 8, 16), 1).reshape(rows, ns, 8)
+            fields["mn"] = _unrow_fields(s[..., 192:320].reshape(groups, ns * 8, 16), 1).reshape(rows, ns, 8)
+    else:
+        g = data.reshape(groups, nb, group_block_bytes(qtype))
+        blocks = g[..., :qbytes]
+        fields["d"] = _unrow_fields(g[..., qbytes : qbytes + 32], 2)
+        if qtype in ("Q4_1", "Q5_1"):
+            fields["m"] = _unrow_fields(g[..., qbytes + 32 : qbytes + 64], 2)
+    quants = deinterleave_rows(blocks[..., : qn * GROUP_ROWS].contiguous()).reshape(rows, nb, qn)
+    q = quants if qtype == "Q8_0" else _nibbles(quants)
+    if qp:
+        q = q | _unplane(deinterleave_rows(blocks[..., qn * GROUP_ROWS :].contiguous()).reshape(rows, nb, qp), qtype)
+    return q.reshape(rows, k), fields
