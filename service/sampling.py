@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from engine.request import SamplingParams, SamplingParamsError
+from engine.structured import StructuredSpec
 from service.errors import bad_request
 from service.protocol import SamplingFields
 
@@ -19,6 +20,7 @@ def build_sampling_params(
     max_tokens: Optional[int],
     logprobs: Optional[int],
     prompt_logprobs: Optional[int],
+    structured: Optional[StructuredSpec] = None,
 ) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
@@ -42,6 +44,7 @@ def build_sampling_params(
             frequency_penalty=_or(req.frequency_penalty, 0.0),
             repetition_penalty=_or(req.repetition_penalty, 1.0),
             logit_bias=_logit_bias(req.logit_bias),
+            structured=structured,
         )
     except SamplingParamsError as exc:
         raise bad_request(str(exc), exc.param) from None
