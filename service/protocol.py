@@ -110,6 +110,16 @@ class SamplingFields(_Request):
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
+    # Accepted by OpenAI or vLLM, not implemented here: refused unless absent or neutral
+    # (service/sampling.py: UNSUPPORTED), never silently ignored.
+    use_beam_search: Optional[Any] = None
+    length_penalty: Optional[Any] = None
+    truncate_prompt_tokens: Optional[Any] = None
+    allowed_token_ids: Optional[Any] = None
+    bad_words: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+    return_tokens_as_token_ids: Optional[Any] = None
+    prediction: Optional[Any] = None
 
     _stop = field_validator("stop", mode="plain")(_check_stop)
 
@@ -245,6 +255,18 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None  # None: true
+    # Refused unless absent or neutral (see SamplingFields).
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    continue_final_message: Optional[Any] = None
+    chat_template: Optional[Any] = None
+    chat_template_kwargs: Optional[Any] = None
+    documents: Optional[Any] = None
+    echo: Optional[Any] = None
     max_tokens: Optional[int] = None  # None: up to the context length
     max_completion_tokens: Optional[int] = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
