@@ -35,6 +35,7 @@ from engine.request import (
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import RequestStats, StepStats
+from engine.structured import GrammarCompiler, StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.text_states: dict[str, RequestTextState] = {}
+        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
         self._arrival_seq = itertools.count()
         # Test-only fault injection: called with each step's SchedulerOutput before the model runs.
         self.fault_hook: Optional[Callable[[SchedulerOutput], None]] = None
@@ -315,6 +317,12 @@ class LLMEngine:
             if i > 0 and self.config.cache.enable_prefix_caching:
                 req.prefill_after = reqs[0]
             reqs.append(req)
+        if params.structured is not None:
+            try:
+                for req in reqs:
+                    req.matcher = self.grammars.new_matcher(params.structured)
+            except StructuredOutputError as exc:
+                raise RequestError(str(exc), exc.param) from None
         for req in reqs:
             self.text_states[req.request_id] = RequestTextState(self.tokenizer, req)
             self.scheduler.add(req)
@@ -405,6 +413,7 @@ class LLMEngine:
             attention_s=tm.attention_s,
             model_forward_s=tm.model_forward_s,
             sampling_s=tm.sampling_s,
+            structured_mask_s=tm.structured_mask_s,
             detokenize_s=t3 - t2,
             total_s=t3 - t0,
             num_prefill_tokens=sched.num_prefill_tokens,

@@ -30,6 +30,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.request import Logprob, Request
 from engine.sampler import plain_greedy, sample, top_logprobs
 from engine.scheduler import SchedulerOutput
+from engine.structured.masks import MaskBatch, commit_tokens, start_masks
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class StepTimings:
     kv_cache_update_s: float = 0.0
     attention_s: float = 0.0
     sampling_s: float = 0.0
+    structured_mask_s: float = 0.0  # building and applying grammar masks (part of sampling_s, or overlapping the forward)
 
 
 @dataclass
@@ -159,6 +161,8 @@ class ModelRunner:
         # tokens instead (Linear.argmax), without writing the logits (32 rows: 6.3 MB of float32).
         greedy = [s.request for s in out.scheduled if s.samples]
         fused = len(greedy) == len(logit_rows) > 0 and all(plain_greedy(r) for r in greedy)
+        # Constrained rows' masks are computed on a worker thread while the forward runs.
+        masks = None if fused else start_masks(greedy, self.model_config.vocab_size)
         with set_forward_context(ctx):
             hidden = self.model(input_ids, positions, out_rows)
             tokens = self.model.greedy_tokens(hidden) if fused else None
@@ -167,13 +171,20 @@ class ModelRunner:
         if tokens is not None:
             result = RunnerOutput(sampled=dict(zip((r.request_id for r in greedy), tokens.tolist())))
         else:
-            result = self._sample(out, logits, logit_rows, meta)
+            result = self._sample(out, logits, logit_rows, meta, masks)
         t3 = time.perf_counter()
-        result.timings = StepTimings(t1 - t0, t2 - t1, ctx.kv_update_s, ctx.attention_s, t3 - t2)
+        result.timings = StepTimings(
+            t1 - t0, t2 - t1, ctx.kv_update_s, ctx.attention_s, t3 - t2, masks.seconds if masks is not None else 0.0
+        )
         return result
 
     def _sample(
-        self, out: SchedulerOutput, logits: Optional[torch.Tensor], logit_rows: list[int], meta: CPUAttentionMetadata
+        self,
+        out: SchedulerOutput,
+        logits: Optional[torch.Tensor],
+        logit_rows: list[int],
+        meta: CPUAttentionMetadata,
+        masks: Optional[MaskBatch] = None,
     ) -> RunnerOutput:
         result = RunnerOutput(sampled={})
         if logits is None:
@@ -192,7 +203,8 @@ class ModelRunner:
                 sample_reqs.append(req)
         if sample_reqs:
             rows = logits[sample_rows] if len(sample_rows) != logits.shape[0] else logits
-            sampled = sample(rows, sample_reqs)
+            sampled = sample(rows, sample_reqs, masks)
+            commit_tokens(sample_reqs, sampled.token_ids)
             for req, token, lp in zip(sample_reqs, sampled.token_ids, sampled.logprobs):
                 result.sampled[req.request_id] = token
                 if lp is not None:

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from engine.structured.spec import StructuredSpec
+
 MAX_LOGPROBS = 20
 
 
@@ -57,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: Optional[StructuredSpec] = None  # constrained decoding (engine/structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -172,6 +175,8 @@ class Request:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.output_logprobs: list[Logprob] = []
         self.prompt_logprobs: list[Optional[Logprob]] = []
+        # llguidance matcher tracking this sequence's output, when params.structured is set.
+        self.matcher = None
         # What the engine has already reported in CompletionDeltas.
         self.num_sent_tokens = 0
         self.prompt_logprobs_sent = False

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from engine.request import Logprob, Request
+from engine.structured.masks import MaskBatch
 
 
 @dataclass
@@ -285,7 +286,8 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, counts: list[int]) 
 
 def plain_greedy(req: Request) -> bool:
     """Whether this request's next token is the argmax of the raw logits, nothing else asked: greedy,
-    no logprobs, and nothing in :func:`sample` that changes its row first (bias, min_tokens, penalties)."""
+    no logprobs, and nothing in :func:`sample` that changes its row first (bias, min_tokens, penalties,
+    a grammar's mask)."""
     p = req.params
     return (
         p.greedy
@@ -293,12 +295,15 @@ def plain_greedy(req: Request) -> bool:
         and not p.logit_bias
         and req.num_output_tokens >= p.min_tokens
         and not p.has_penalties
+        and req.matcher is None
     )
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+def sample(logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBatch] = None) -> SamplerOutput:
     """logits: float32 [len(requests), vocab], one row per request that samples this step.
 
+    ``masks``: the constrained rows' grammar masks (engine/structured), applied after biases,
+    min_tokens and penalties, so every later step only sees tokens the grammar allows.
     Greedy rows take the argmax; sampled rows are drawn natively when the extension is there,
     else through :func:`_distributions` and :func:`_draw`, with the same uniform numbers either way."""
     counts = [r.params.logprobs if r.params.logprobs is not None else -1 for r in requests]
@@ -310,6 +315,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     if any(r.params.has_penalties for r in requests):
         logits = logits.clone(memory_format=torch.contiguous_format)
         _apply_penalties(logits, requests)
+    if masks is not None:
+        if logits is raw_logits and any(c >= 0 for c in counts):
+            logits = logits.clone()  # logprobs still report the unmasked distribution
+        masks.apply(logits, raw_logits)
 
     greedy = any(r.params.greedy for r in requests)
     tokens = greedy_tokens(logits) if greedy else torch.empty(len(requests), dtype=torch.long)

@@ -17,6 +17,7 @@ class StepStats:
     attention_s: float  # summed over layers
     model_forward_s: float  # the whole forward pass, attention included
     sampling_s: float
+    structured_mask_s: float  # building and applying grammar masks (engine/structured)
     detokenize_s: float
     total_s: float
     num_prefill_tokens: int

@@ -39,10 +39,15 @@ from service.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    ResponseToolCall,
     Usage,
 )
 from service.sampling import build_sampling_params
 from service.state import ServerState
+from service.structured import compile_spec, resolve_structured, structured_spec
+from service.tools import ToolPlan, chat_messages, parse_answer, plan_tools
 
 
 async def create_chat_completion(req: ChatCompletionRequest, state: ServerState, raw: Request) -> Response:
@@ -52,25 +57,33 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
-    prompt_ids = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt)
+    plan = plan_tools(req)
+    prompt_ids = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt, plan)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
-    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
+    if plan is None:
+        structured = await resolve_structured(req, engine)
+    elif structured_spec(req) is not None:
+        raise bad_request("a request that may call tools cannot constrain its output otherwise", "tools")
+    else:
+        structured = plan.spec
+        await compile_spec(engine, structured)
+    params = build_sampling_params(
+        req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, structured=structured
+    )
     gen = Generation(state, new_request_id("chatcmpl"), [prompt_ids], params, req.priority)
-    view = _Chat(req, engine.tokenizer, engine.model_name, gen, logprobs)
+    view = _Chat(req, engine.tokenizer, engine.model_name, gen, logprobs, plan)
     return await respond(view, req.stream, raw)
 
 
-def render_chat(tok: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Messages -> prompt token ids, through the model's template (which adds any BOS itself)."""
-    plain = []
-    for m in messages:
-        msg = {"role": m.role, "content": m.text()}
-        if m.name is not None:
-            msg["name"] = m.name
-        plain.append(msg)
+def render_chat(
+    tok: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool, tools: Optional[ToolPlan] = None
+) -> list[int]:
+    """Messages -> prompt token ids, through the model's template (which adds any BOS itself);
+    with ``tools``, described to the model as service/tools.py does."""
+    plain = chat_messages(list(messages), tools)
     try:
         text = tok.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as exc:  # no template, or the template refused the messages
@@ -80,9 +93,16 @@ def render_chat(tok: Tokenizer, messages: Sequence[ChatMessage], add_generation_
 
 class _Chat:
     def __init__(
-        self, req: ChatCompletionRequest, tok: Tokenizer, model: str, gen: Generation, top_k: Optional[int]
+        self,
+        req: ChatCompletionRequest,
+        tok: Tokenizer,
+        model: str,
+        gen: Generation,
+        top_k: Optional[int],
+        tools: Optional[ToolPlan] = None,
     ) -> None:
         self.req = req
+        self.tools = tools
         self.tok = tok
         self.model = model
         self.gen = gen
@@ -123,20 +143,58 @@ class _Chat:
                 lps[d.index].extend(d.new_logprobs)
                 if d.finished:
                     finish[d.index] = d
-        choices = [
-            ChatChoice(
-                index=j,
-                message=ChatResponseMessage(content=texts[j]),
-                logprobs=self._logprobs(lps[j]),
-                finish_reason=finish_reason(finish[j]) if finish[j] else None,
-                stop_reason=finish[j].stop_reason if finish[j] else None,
+        choices = []
+        for j in range(n):
+            reason = finish_reason(finish[j]) if finish[j] else None
+            content, calls = self._answer(texts[j], reason)
+            choices.append(
+                ChatChoice(
+                    index=j,
+                    message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                    logprobs=self._logprobs(lps[j]),
+                    finish_reason="tool_calls" if calls else reason,
+                    stop_reason=finish[j].stop_reason if finish[j] else None,
+                )
             )
-            for j in range(n)
-        ]
         return ChatCompletionResponse(id=self.gen.request_id, model=self.model, choices=choices, usage=self._usage())
+
+    def _answer(self, text: str, reason: Optional[str]) -> tuple[Optional[str], list[ResponseToolCall]]:
+        """(content, tool calls) of a finished choice: the text as is, or the tool answer parsed."""
+        if self.tools is None:
+            return text, []
+        return parse_answer(text, reason == "stop")
+
+    def _tool_chunks(self, index: int, text: str, d: CompletionDelta) -> list[ChatChunkChoice]:
+        """A tool-calling choice, streamed once its answer is complete (the JSON wrapper must be
+        whole to tell a call from a reply): each call's id and name, then its arguments, then the
+        finish reason; or the reply's content."""
+        reason = finish_reason(d)
+        content, calls = self._answer(text, reason)
+        out = [
+            ChatChunkChoice(
+                index=index,
+                delta=ChatDelta(tool_calls=[DeltaToolCall(index=k, id=c.id, type="function",
+                                                          function=DeltaFunctionCall(name=c.function.name))]),
+            )
+            for k, c in enumerate(calls)
+        ]
+        out += [
+            ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[DeltaToolCall(index=k, function=DeltaFunctionCall(arguments=c.function.arguments))]))
+            for k, c in enumerate(calls)
+        ]
+        out.append(
+            ChatChunkChoice(
+                index=index,
+                delta=ChatDelta(content=content or None),
+                finish_reason="tool_calls" if calls else reason,
+                stop_reason=d.stop_reason,
+            )
+        )
+        return out
 
     async def stream(self) -> AsyncIterator[str]:
         created = int(time.time())
+        held = [""] * self.gen.num_choices  # tool-calling choices' text, until complete
 
         def chunk(choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> str:
             return sse(
@@ -147,6 +205,12 @@ class _Chat:
             yield chunk([ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content=""))])
         async with contextlib.aclosing(self.gen.deltas()) as deltas:
             async for _, d in deltas:
+                if self.tools is not None:
+                    held[d.index] += d.new_text
+                    if d.finished:
+                        for c in self._tool_chunks(d.index, held[d.index], d):
+                            yield chunk([c])
+                    continue
                 logprobs = self._logprobs(d.new_logprobs) if d.new_logprobs else None
                 if not (d.new_text or d.finished or logprobs):
                     continue  # text held back (a possible stop string, a split character)

@@ -36,6 +36,7 @@ from service.protocol import (
 )
 from service.sampling import build_sampling_params
 from service.state import ServerState
+from service.structured import resolve_structured
 
 
 async def create_completion(req: CompletionRequest, state: ServerState, raw: Request) -> Response:
@@ -53,8 +54,9 @@ async def create_completion(req: CompletionRequest, state: ServerState, raw: Req
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:  # echoed prompt tokens come with their logprobs
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
+    structured = await resolve_structured(req, engine)
     params = build_sampling_params(
-        req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs
+        req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs, structured=structured
     )
     gen = Generation(state, new_request_id("cmpl"), prompt_ids, params, req.priority)
     view = _Completion(req, engine.tokenizer, engine.model_name, gen, prompt_texts)

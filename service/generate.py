@@ -71,6 +71,8 @@ class Generation:
                 state.abort(rid)
             raise
         state.generations.add(self)
+        if params.structured is not None:
+            state.metrics.structured_request(params.structured.kind)
         self.first_token_at: Optional[float] = None
         self.finish_reasons: Counter[str] = Counter()
         self.completion_tokens = 0

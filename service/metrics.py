@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from engine.stats import RequestStats, StepStats
+from engine.structured.spec import KINDS as STRUCTURED_KINDS
 
 # No `<name>_created` series: they double the output and nothing here uses them.
 disable_created_metrics()
@@ -41,6 +42,10 @@ _STEP_PHASES = {
     "attention_s": ("step_attention_seconds", "Time per engine step in attention (all layers)"),
     "model_forward_s": ("step_model_forward_seconds", "Time per engine step in the model forward pass"),
     "sampling_s": ("step_sampling_seconds", "Time per engine step sampling tokens"),
+    "structured_mask_s": (
+        "step_structured_mask_seconds",
+        "Time per engine step building and applying grammar token masks (constrained requests; 0 without any)",
+    ),
     "detokenize_s": ("step_detokenize_seconds", "Time per engine step detokenizing and checking stop strings"),
     "total_s": ("step_duration_seconds", "Total time of one engine step"),
 }
@@ -77,6 +82,9 @@ class Metrics:
         self._pc_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self._rejected = counter("requests_rejected", "Requests refused before reaching the engine, by reason", ("reason",))
         self._http = counter("http_requests", "HTTP responses by route and status code", ("route", "status"))
+        self._structured = counter(
+            "structured_requests", "Requests whose output is constrained (JSON schema, regex, ...), by kind", ("kind",)
+        )
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, label, registry=r)
@@ -126,6 +134,8 @@ class Metrics:
             self._finished.labels(m, reason)
         for reason in REJECT_REASONS:
             self._rejected.labels(m, reason)
+        for kind in STRUCTURED_KINDS:
+            self._structured.labels(m, kind)
         self._running.labels(m).set_function(num_running)
         self._waiting.labels(m).set_function(num_waiting)
         self._kv_usage.labels(m).set_function(kv_usage)
@@ -176,6 +186,10 @@ class Metrics:
         """Sequences the service ended (client gone: abort; engine died: error); the engine reports no stats for them."""
         if self.model_name is not None and num_sequences:
             self._finished.labels(self.model_name, finish_reason).inc(num_sequences)
+
+    def structured_request(self, kind: str) -> None:
+        if self.model_name is not None:
+            self._structured.labels(self.model_name, kind).inc()
 
     def rejected(self, reason: str) -> None:
         if self.model_name is not None:

@@ -46,6 +46,34 @@ def _check_stop(value: Any) -> Any:
     raise ValueError("'stop' must be a string or a list of strings")
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``; ``strict`` is accepted either way (the schema is
+    always enforced)."""
+
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs``: exactly one of these.  Keys this server does not implement
+    (``structural_tag``, ``whitespace_pattern``, ...) are rejected, not ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
 class SamplingFields(_Request):
     """Fields completions and chat share: OpenAI's, then vLLM's extras under vLLM's names."""
 
@@ -72,6 +100,26 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     prompt_logprobs: Optional[int] = None
     priority: int = 0  # lower runs first
+    # Constrained decoding (service/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* names.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    # Accepted by OpenAI or vLLM, not implemented here: refused unless absent or neutral
+    # (service/sampling.py: UNSUPPORTED), never silently ignored.
+    use_beam_search: Optional[Any] = None
+    length_penalty: Optional[Any] = None
+    truncate_prompt_tokens: Optional[Any] = None
+    allowed_token_ids: Optional[Any] = None
+    bad_words: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+    return_tokens_as_token_ids: Optional[Any] = None
+    prediction: Optional[Any] = None
 
     _stop = field_validator("stop", mode="plain")(_check_stop)
 
@@ -157,10 +205,23 @@ class ChatContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ChatContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: which call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -168,8 +229,44 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; None: no arguments
+    strict: Optional[bool] = None  # accepted either way: arguments always follow ``parameters``
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None  # None: true
+    # Refused unless absent or neutral (see SamplingFields).
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    continue_final_message: Optional[Any] = None
+    chat_template: Optional[Any] = None
+    chat_template_kwargs: Optional[Any] = None
+    documents: Optional[Any] = None
+    echo: Optional[Any] = None
     max_tokens: Optional[int] = None  # None: up to the context length
     max_completion_tokens: Optional[int] = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
@@ -191,16 +288,31 @@ class ChatChoiceLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ResponseToolCall]] = Field(None, exclude_if=lambda v: not v)
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[Union[int, str]] = Field(None, exclude_if=lambda v: v is None)
 
 
@@ -213,16 +325,31 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = Field(None, exclude_if=lambda v: v is None)
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    """One streamed piece of a tool call: the first for each ``index`` carries its id and name."""
+
+    index: int
+    id: Optional[str] = Field(None, exclude_if=lambda v: v is None)
+    type: Optional[Literal["function"]] = Field(None, exclude_if=lambda v: v is None)
+    function: DeltaFunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = Field(None, exclude_if=lambda v: v is None)
     content: Optional[str] = Field(None, exclude_if=lambda v: v is None)
+    tool_calls: Optional[list[DeltaToolCall]] = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[Union[int, str]] = Field(None, exclude_if=lambda v: v is None)
 
 
