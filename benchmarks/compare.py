@@ -204,15 +204,21 @@ class RssSampler(threading.Thread):
         self.seen: set[int] = set()
         self._stop_evt = threading.Event()
 
+    def sample(self) -> None:
+        pids = self.tree()
+        self.seen |= pids
+        self.peak = max(self.peak, rss_bytes(pids, pss=False)[0])
+
     def run(self) -> None:
+        self.sample()
         while not self._stop_evt.wait(self.interval):
-            pids = self.tree()
-            self.seen |= pids
-            self.peak = max(self.peak, rss_bytes(pids, pss=False)[0])
+            self.sample()
 
     def stop(self) -> None:
+        """Stop sampling, with one last sample: a run shorter than ``interval`` still has a peak."""
         self._stop_evt.set()
         self.join(timeout=5)
+        self.sample()
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -852,11 +858,13 @@ def measure_floor(a: argparse.Namespace) -> dict:
     return floor
 
 
-def floor_report(floor: dict, results: dict[str, dict], gguf_type: str) -> list[str]:
-    """The floor lines (see ``model_shapes.floor_lines``) with each engine's c=1 TPOT p50 next to it."""
+def floor_report(floor: dict, results: dict[str, dict], workloads: list[Workload], gguf_type: str) -> list[str]:
+    """The floor lines (see ``model_shapes.floor_lines``) with each engine's TPOT p50 in the first
+    concurrency-1 workload next to it (none: the floor alone)."""
+    c1 = next((w.name for w in workloads if w.concurrency == 1), None)
     tpot = {}
     for e, r in results.items():
-        m = r["workloads"].get("c1")
+        m = r["workloads"].get(c1)
         tpot[ENGINE_TITLES[e]] = m["median_tpot_ms"] if m and m["completed"] else None
     note = f" (float32 sum over {floor['bandwidth_mb']} MiB, {floor['bandwidth_threads']} threads)"
     return shapes.floor_lines(floor["bytes_gguf"], floor["bytes_bf16"], floor["bandwidth_bytes_s"], gguf_type,
@@ -890,7 +898,7 @@ def main(argv=None) -> int:
 
     table = markdown_table(results, workloads)
     if floor is not None:
-        table += "\n\n" + "\n".join(floor_report(floor, results, a.gguf_type))
+        table += "\n\n" + "\n".join(floor_report(floor, results, workloads, a.gguf_type))
     print(table)
     if a.json_out:
         with open(a.json_out, "w") as f:

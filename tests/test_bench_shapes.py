@@ -173,7 +173,7 @@ def test_compare_model_mode_end_to_end_with_fake_server(tmp_path):
     out = tmp_path / "cmp.json"
     old = signal.getsignal(signal.SIGTERM)
     try:
-        rc = compare.main(["--model", str(d), "--gguf-type", "q8_0", "--workloads", "c1", "--num-prompts", "2",
+        rc = compare.main(["--model", str(d), "--gguf-type", "q8_0", "--workloads", "32:8:1", "--num-prompts", "2",
                            "--warmup", "0", "--idle-wait", "0.1", "--bandwidth-mb", "16", "--log-dir", str(tmp_path), "--json-out", str(out),
                            "--ours-cmd", f"{sys.executable} {fake} --fake-server --port {{port}} "
                                          "--served-model-name {model}"])
@@ -183,7 +183,7 @@ def test_compare_model_mode_end_to_end_with_fake_server(tmp_path):
     assert not [p for p in compare.process_tree(os.getpid()) if b"--fake-server" in _cmdline(p)]
     rep = json.loads(out.read_text())
     ours = rep["engines"]["ours"]
-    assert "llama-3.2-1b" in ours["cmd"] and ours["workloads"]["c1"]["completed"] == 2
+    assert "llama-3.2-1b" in ours["cmd"] and ours["workloads"]["32x8c1"]["completed"] == 2
     assert ours["startup_s"] > 0 and ours["idle_rss_mb"] > 5 and ours["peak_rss_mb"] > 0
     floor = rep["floor"]
     assert floor["bytes_gguf"] == 64 * 8 * 34 + 1024 and floor["bandwidth_bytes_s"] > 0
