@@ -147,7 +147,21 @@ def isa_id(isa: Optional[str]) -> int:
     raise ValueError(f"unknown instruction-set path {isa!r}; known: {', '.join(ISA_NAMES.values())}")
 
 
-class PackedWeight:
+class _WeightShape:
+    """``out_features`` / ``in_features`` of a weight held as ``shape = (N, K)``."""
+
+    shape: tuple[int, int]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+
+class PackedWeight(_WeightShape):
     """A weight [out_features, in_features] held as packed GGUF blocks; ``self(x, bias)`` = F.linear.
 
     ``isa`` pins an instruction-set path (tests, benchmarks); None takes the best one.  Without the
@@ -178,14 +192,6 @@ class PackedWeight:
         if self.act_bits not in (8, 16):
             raise ValueError(f"act_bits must be 8 or 16, got {act_bits}")
         self._op = None
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
 
     @property
     def isa_id(self) -> int:
@@ -249,7 +255,7 @@ class PackedWeight:
         )
 
 
-class PackedParts:
+class PackedParts(_WeightShape):
     """Row-stacked packed weights of different qtypes, ``self(x, bias)`` = F.linear of their stack.
 
     A merged projection whose sources differ in type (a Q4_K_M file's qkv_proj: q and k in Q4_K,
@@ -267,14 +273,6 @@ class PackedParts:
         self.qtype = max(parts, key=lambda p: p.out_features).qtype
         self.act_bits = parts[0].act_bits
         self.isa = parts[0].isa
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
 
     @property
     def nbytes(self) -> int:
