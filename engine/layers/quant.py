@@ -40,6 +40,7 @@ from torch import nn
 
 from engine.layers import gguf_blocks
 from engine.layers.gguf_blocks import QTYPE_IDS, deinterleave_rows as _deinterleave_rows, interleave_rows as _interleave_rows
+from engine.loader.gguf import dequantize_rows
 
 if TYPE_CHECKING:
     from engine.layers.linear import Linear
@@ -47,9 +48,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 32
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # GGUF bytes per 32 weights (32-weight types)
-GROUP_ROWS = 16
+BLOCK = gguf_blocks.BLOCK
+BLOCK_BYTES = {q: b for q, (w, b) in gguf_blocks.GGUF_BLOCKS.items() if w == BLOCK}  # GGUF bytes per 32 weights (32-weight types)
+GROUP_ROWS = gguf_blocks.GROUP_ROWS
 GROUP_BLOCK_BYTES = {q: gguf_blocks.group_block_bytes(q) for q in QTYPE_IDS}  # average, per 16 rows x 32 weights
 # The routing constants below come in two families by bytes per weight: "Q4" for the 4.5-5.5 bit
 # types (Q4_*, Q5_*), "Q8" for the 6.6-8.5 bit ones (Q6_K, Q8_0), whose block kernel saves fewer
@@ -440,27 +441,9 @@ def unpack_blocks(data: torch.Tensor, qtype: str, shape: tuple[int, int]) -> tor
 
 
 def dequantize_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
-    """GGUF blocks uint8 [N, bytes_per_row] -> float32 [N, K]: a torch port of gguf.quants for
-    Q4_0/Q4_1/Q8_0 (the row-int8 test compares against it a lot), gguf.quants itself for the rest."""
-    n, k = shape
-    if qtype not in BLOCK_BYTES or qtype.startswith("Q5"):
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        w = dequantize(raw.contiguous().numpy(), getattr(GGMLQuantizationType, qtype))
-        return torch.from_numpy(w.copy()).reshape(n, k)
-    nb = k // BLOCK
-    r = raw.reshape(n, nb, BLOCK_BYTES[qtype])
-    d = r[..., 0:2].contiguous().view(torch.float16).float()
-    if qtype == "Q8_0":
-        q = r[..., 2:].contiguous().view(torch.int8).float()
-        return (q * d).reshape(n, k)
-    qs = r[..., -16:]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
-    if qtype == "Q4_0":
-        return ((q - 8) * d).reshape(n, k)
-    m = r[..., 2:4].contiguous().view(torch.float16).float()
-    return (q * d + m).reshape(n, k)
+    """GGUF blocks uint8 [N, bytes_per_row] -> float32 [N, K], bit-identical to gguf.quants (the
+    loader's dequantization, :func:`engine.loader.gguf.dequantize_rows`)."""
+    return dequantize_rows(raw.contiguous(), qtype, shape[1])
 
 
 # ---------------------------------------------------------------- constructors
