@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from engine.request import Request
+from engine.structured.accept import CompleteOutputCheck
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -24,6 +25,12 @@ class RequestTextState:
         self.sent = 0  # characters of self.text already emitted
         self.num_tokens_seen = 0
         self.stopped: Optional[str] = None  # the stop string that ended the request
+        # A constrained output ends at a stop string only where what it returns is complete
+        # (engine/structured/accept.py); elsewhere the stop string is part of the constrained text.
+        self.complete: Optional[CompleteOutputCheck] = None
+        if self.stops and request.matcher is not None:
+            self.complete = CompleteOutputCheck(request.matcher.deep_copy(), lambda t: tokenizer.encode(t, False))
+        self.not_complete: set[tuple[int, str]] = set()  # stop matches already found to cut it short
 
     def update(self, request: Request, token_level_stop: bool) -> Optional[str]:
         """Feed the request's new tokens; returns a matched stop string (the request must then finish)."""
@@ -42,17 +49,17 @@ class RequestTextState:
 
     def _find_stop(self, new_from: int) -> Optional[str]:
         start = max(0, new_from - self.holdback)
-        best: Optional[tuple[int, str]] = None
-        for s in self.stops:
-            idx = self.text.find(s, start)
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
-            return None
-        idx, s = best
-        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
-        self.stopped = s
-        return s
+        # Earliest first; at one index, the stop string listed first.
+        hits = sorted((i, k, s) for k, s in enumerate(self.stops) for i in _occurrences(self.text, s, start))
+        for idx, _, s in hits:
+            kept = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+            if self.complete is not None and ((idx, s) in self.not_complete or not self.complete(kept)):
+                self.not_complete.add((idx, s))
+                continue
+            self.text = kept
+            self.stopped = s
+            return s
+        return None
 
     def take_new_text(self, finished: bool) -> str:
         """Text not yet emitted; while running, keep back what could be the start of a stop string."""
@@ -60,3 +67,13 @@ class RequestTextState:
         out = self.text[self.sent : end]
         self.sent = end
         return out
+
+
+def _occurrences(text: str, sub: str, start: int) -> list[int]:
+    """Every index >= ``start`` where ``sub`` begins in ``text`` (overlapping ones included)."""
+    out = []
+    idx = text.find(sub, start)
+    while idx >= 0:
+        out.append(idx)
+        idx = text.find(sub, idx + 1)
+    return out

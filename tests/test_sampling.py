@@ -155,6 +155,7 @@ def _stream(tokens, **params):
     state.include_stop = req.params.include_stop_str_in_output
     state.holdback = max((len(s) for s in state.stops), default=1) - 1
     state.text, state.sent, state.num_tokens_seen, state.stopped = "", 0, 0, None
+    state.complete, state.not_complete = None, set()  # unconstrained
     chunks = []
     for t in tokens:
         req.append_token(t)

@@ -148,6 +148,34 @@ def test_max_tokens_gives_a_valid_prefix(client: openai.OpenAI) -> None:
     assert c.finish_reason == "length" and '{"name":"'.startswith(c.text[:9]) or c.text.startswith('{"name":"')
 
 
+NESTED = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                                "required": ["b"], "additionalProperties": False},
+                                  "c": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["a", "c"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_never_cut_a_constrained_output_short(client: openai.OpenAI, include: bool) -> None:
+    """A "}" stop string appears inside {"a":{"b":..},"c":..}: where the text it would return is not
+    complete JSON it is part of the output, so "stop" still means valid.  Kept ("include"), the
+    last "}" completes the object and ends it with stop_reason "}"; dropped, no cut is ever complete
+    and the grammar's own end (EOS) finishes it."""
+    extra = {"guided_json": NESTED, "stop": ["}"], "include_stop_str_in_output": include}
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, extra_body=extra)
+    c = r.choices[0]
+    assert c.finish_reason == "stop", c
+    _valid(c.text, NESTED)
+    assert c.stop_reason == ("}" if include else None)
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stream=True, extra_body=extra))
+    assert "".join(ch.choices[0].text for ch in streamed) == c.text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=1.0, n=3, seed=2,
+                                          stop=["}", ","], response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": NESTED}})
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop", choice
+        _valid(choice.message.content, NESTED)
+
+
 def _error(http: httpx.Client, route: str, body: dict) -> dict:
     base = {"model": MODEL, "max_tokens": 4}
     base.update({"messages": CHAT} if "chat" in route else {"prompt": PROMPT})
