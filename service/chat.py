@@ -47,6 +47,7 @@ from service.protocol import (
 from service.sampling import build_sampling_params
 from service.state import ServerState
 from service.structured import compile_spec, resolve_structured, structured_spec
+from service.tool_parsers import ToolCallStream, detect_format
 from service.tools import ToolPlan, chat_messages, parse_answer, plan_tools
 
 
@@ -57,7 +58,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
-    plan = plan_tools(req)
+    plan = plan_tools(req, detect_format(engine.tokenizer.chat_template))
     prompt_ids = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt, plan)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -69,7 +70,8 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
         raise bad_request("a request that may call tools cannot constrain its output otherwise", "tools")
     else:
         structured = plan.spec
-        await compile_spec(engine, structured)
+        if structured is not None:
+            await compile_spec(engine, structured)
     params = build_sampling_params(
         req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, structured=structured
     )
@@ -83,9 +85,10 @@ def render_chat(
 ) -> list[int]:
     """Messages -> prompt token ids, through the model's template (which adds any BOS itself);
     with ``tools``, described to the model as service/tools.py does."""
-    plain = chat_messages(list(messages), tools)
+    plain = chat_messages(list(messages), tools, detect_format(tok.chat_template))
+    extra = {"tools": tools.template_tools} if tools is not None and tools.template_tools else {}
     try:
-        text = tok.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra)
     except (ValueError, jinja2.TemplateError) as exc:  # no template, or the template refused the messages
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
     return tok.encode(text, add_special_tokens=False)
@@ -146,55 +149,41 @@ class _Chat:
         choices = []
         for j in range(n):
             reason = finish_reason(finish[j]) if finish[j] else None
-            content, calls = self._answer(texts[j], reason)
+            content, calls = (texts[j], []) if self.tools is None else parse_answer(self.tools, texts[j])
             choices.append(
                 ChatChoice(
                     index=j,
                     message=ChatResponseMessage(content=content, tool_calls=calls or None),
                     logprobs=self._logprobs(lps[j]),
-                    finish_reason="tool_calls" if calls else reason,
+                    finish_reason=_tool_finish(reason, bool(calls)),
                     stop_reason=finish[j].stop_reason if finish[j] else None,
                 )
             )
         return ChatCompletionResponse(id=self.gen.request_id, model=self.model, choices=choices, usage=self._usage())
 
-    def _answer(self, text: str, reason: Optional[str]) -> tuple[Optional[str], list[ResponseToolCall]]:
-        """(content, tool calls) of a finished choice: the text as is, or the tool answer parsed."""
-        if self.tools is None:
-            return text, []
-        return parse_answer(text, reason == "stop")
-
-    def _tool_chunks(self, index: int, text: str, d: CompletionDelta) -> list[ChatChunkChoice]:
-        """A tool-calling choice, streamed once its answer is complete (the JSON wrapper must be
-        whole to tell a call from a reply): each call's id and name, then its arguments, then the
-        finish reason; or the reply's content."""
-        reason = finish_reason(d)
-        content, calls = self._answer(text, reason)
-        out = [
-            ChatChunkChoice(
-                index=index,
-                delta=ChatDelta(tool_calls=[DeltaToolCall(index=k, id=c.id, type="function",
-                                                          function=DeltaFunctionCall(name=c.function.name))]),
-            )
-            for k, c in enumerate(calls)
-        ]
-        out += [
-            ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[DeltaToolCall(index=k, function=DeltaFunctionCall(arguments=c.function.arguments))]))
-            for k, c in enumerate(calls)
-        ]
-        out.append(
-            ChatChunkChoice(
-                index=index,
-                delta=ChatDelta(content=content or None),
-                finish_reason="tool_calls" if calls else reason,
-                stop_reason=d.stop_reason,
-            )
-        )
+    def _tool_chunks(self, stream: ToolCallStream, d: CompletionDelta) -> list[ChatChunkChoice]:
+        """A tool-calling choice's new text -> its chunks: content as it comes, each call's id and
+        name once written, then its arguments in fragments as they are generated."""
+        content, pieces = stream.feed(d.new_text, d.finished)
+        logprobs = self._logprobs(d.new_logprobs) if d.new_logprobs else None
+        out = []
+        if content or (logprobs and not pieces):
+            out.append(ChatChunkChoice(index=d.index, delta=ChatDelta(content=content or None), logprobs=logprobs))
+            logprobs = None
+        for p in pieces:
+            call = DeltaToolCall(index=p.index, id=p.id, type="function" if p.id else None,
+                                 function=DeltaFunctionCall(name=p.name, arguments=p.arguments))
+            out.append(ChatChunkChoice(index=d.index, delta=ChatDelta(tool_calls=[call]), logprobs=logprobs))
+            logprobs = None
+        if d.finished:
+            out.append(ChatChunkChoice(index=d.index, delta=ChatDelta(),
+                                       finish_reason=_tool_finish(finish_reason(d), bool(stream.ids)), stop_reason=d.stop_reason))
         return out
 
     async def stream(self) -> AsyncIterator[str]:
         created = int(time.time())
-        held = [""] * self.gen.num_choices  # tool-calling choices' text, until complete
+        plan = self.tools
+        calls = [ToolCallStream(plan.fmt, plan.names, plan.parallel) for _ in range(self.gen.num_choices)] if plan else []
 
         def chunk(choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> str:
             return sse(
@@ -205,11 +194,9 @@ class _Chat:
             yield chunk([ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content=""))])
         async with contextlib.aclosing(self.gen.deltas()) as deltas:
             async for _, d in deltas:
-                if self.tools is not None:
-                    held[d.index] += d.new_text
-                    if d.finished:
-                        for c in self._tool_chunks(d.index, held[d.index], d):
-                            yield chunk([c])
+                if calls:
+                    for c in self._tool_chunks(calls[d.index], d):
+                        yield chunk([c])
                     continue
                 logprobs = self._logprobs(d.new_logprobs) if d.new_logprobs else None
                 if not (d.new_text or d.finished or logprobs):
@@ -224,3 +211,9 @@ class _Chat:
                 yield chunk([choice])
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield chunk([], self._usage())
+
+
+def _tool_finish(reason: Optional[str], called: bool) -> Optional[str]:
+    """OpenAI's finish_reason for a choice that may have called tools: "tool_calls" when it ended
+    by itself after calling; "length" (calls as far as written) when max_tokens cut it."""
+    return "tool_calls" if called and reason == "stop" else reason

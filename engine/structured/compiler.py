@@ -93,7 +93,9 @@ def _grammar(spec: StructuredSpec) -> str:
     try:
         if spec.kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
-        if spec.kind in ("json", "tool_call"):
+        if spec.kind == "tool_call":  # built by service/tools.py: calls in the template's format
+            return llg.LLMatcher.grammar_from_lark(spec.source)
+        if spec.kind == "json":
             return llg.LLMatcher.grammar_from_json_schema(spec.source, defaults=_JSON_OPTIONS)
         if spec.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec.source)

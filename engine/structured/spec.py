@@ -15,8 +15,9 @@ class StructuredSpec:
     """One constraint on a request's output.
 
     ``kind`` is what the ``cpuserve:structured_requests_total`` metric counts by; ``source`` is
-    the constraint's text (a JSON schema serialised compactly (property order kept: it is the order generated), a regex, the choices as a
-    JSON list, or a Lark/GBNF grammar), so equal constraints share one compiled grammar.
+    the constraint's text (a JSON schema serialised compactly, property order kept: it is the order
+    generated; a regex; the choices as a JSON list; a Lark/GBNF grammar; for ``tool_call``, a Lark
+    grammar), so equal constraints share one compiled grammar.
     ``param`` is the request field it came from, for error messages.
     """
 
@@ -37,14 +38,15 @@ class StructuredSpec:
         return (self.kind, self.source)
 
 
-def tool_call_schema(functions: list[dict[str, Any]], *, array: bool) -> dict[str, Any]:
+def tool_call_schema(functions: list[dict[str, Any]], *, array: bool, args_key: str = "arguments") -> dict[str, Any]:
     """The JSON schema of a call to one of ``functions`` (OpenAI function objects: name,
-    parameters): ``{"name": ..., "arguments": {...}}``, or a non-empty list of them."""
+    parameters): ``{"name": ..., "arguments": {...}}`` (Llama 3 writes ``parameters``:
+    ``args_key``), or a non-empty list of them."""
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": f["name"]}, args_key: f.get("parameters") or {"type": "object"}},
+            "required": ["name", args_key],
             "additionalProperties": False,
         }
         for f in functions

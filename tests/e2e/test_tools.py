@@ -95,18 +95,44 @@ def test_streamed_tool_calls(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(**kw).choices[0].message
     calls: dict[int, dict] = {}
     finish = None
+    fragments = 0
     for ch in client.chat.completions.create(**kw, stream=True):
         for choice in ch.choices:
             for tc in choice.delta.tool_calls or []:
                 if tc.index not in calls:
                     assert tc.id and tc.function.name  # id and name come first
                     calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                else:
+                    assert tc.id is None and tc.function.name is None
+                    fragments += 1
                 calls[tc.index]["arguments"] += tc.function.arguments or ""
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
+    assert fragments > 2 * len(calls)  # arguments sent as they are generated, not once complete
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls
     ]
+
+
+@pytest.mark.parametrize("max_tokens", [3, 12, 17])
+def test_tool_answer_cut_by_max_tokens(client: openai.OpenAI, max_tokens: int) -> None:
+    """Cut short: finish_reason "length", the calls as far as written (the last one's arguments a
+    prefix of JSON), never the raw answer as content; streaming says the same."""
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=max_tokens, temperature=0)
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "length" and c.message.content is None, c
+    for call in c.message.tool_calls or []:
+        assert call.id.startswith("call_") and call.function.name in SCHEMAS
+    streamed: dict[int, list[str]] = {}
+    for ch in client.chat.completions.create(**kw, stream=True):
+        for choice in ch.choices:
+            assert not choice.delta.content
+            for tc in choice.delta.tool_calls or []:
+                streamed.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+            if choice.finish_reason:
+                assert choice.finish_reason == "length"
+    assert [(name, args) for name, args in streamed.values()] == [
+        (t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
 
 
 def test_tool_result_round_trip(client: openai.OpenAI) -> None:
