@@ -28,7 +28,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.forward_context import ForwardContext, set_forward_context
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Logprob, Request
-from engine.sampler import plain_greedy, sample, top_logprobs
+from engine.sampler import fused_rows, sample, top_logprobs
 from engine.scheduler import SchedulerOutput
 from engine.structured.masks import MaskBatch, commit_tokens, start_masks
 
@@ -157,21 +157,29 @@ class ModelRunner:
         ctx = ForwardContext(meta)
         # When every row needs logits (decode-only steps) the last layer is not pruned and nothing gathered.
         out_rows = None if len(logit_rows) == input_ids.shape[0] else torch.tensor(logit_rows, dtype=torch.long)
-        # Every row that needs logits is a plain greedy request's: the LM head may hand back the
-        # tokens instead (Linear.argmax), without writing the logits (32 rows: 6.3 MB of float32).
+        # Plain greedy rows, when every row that needs logits samples: the LM head may hand back their
+        # tokens instead (Linear.argmax), without writing the logits (32 rows: 6.3 MB of float32);
+        # constrained rows beside them take logits of their own (sampler.fused_rows).
         greedy = [s.request for s in out.scheduled if s.samples]
-        fused = len(greedy) == len(logit_rows) > 0 and all(plain_greedy(r) for r in greedy)
+        fast = fused_rows(greedy) if len(greedy) == len(logit_rows) else []
         # Constrained rows' masks are computed on a worker thread while the forward runs.
-        masks = None if fused else start_masks(greedy, self.model_config.vocab_size)
+        masks = start_masks(greedy, self.model_config.vocab_size)
         with set_forward_context(ctx):
             hidden = self.model(input_ids, positions, out_rows)
-            tokens = self.model.greedy_tokens(hidden) if fused else None
-            logits = self.model.compute_logits(hidden) if logit_rows and tokens is None else None
+            tokens = None
+            if fast:
+                tokens = self.model.greedy_tokens(hidden if len(fast) == len(greedy) else hidden[fast])
+            rest = sorted(set(range(len(greedy))) - set(fast)) if tokens is not None else None
+            logits = None
+            if logit_rows and rest != []:
+                logits = self.model.compute_logits(hidden if rest is None else hidden[rest])
         t2 = time.perf_counter()
-        if tokens is not None:
-            result = RunnerOutput(sampled=dict(zip((r.request_id for r in greedy), tokens.tolist())))
-        else:
+        if tokens is None:
             result = self._sample(out, logits, logit_rows, meta, masks)
+        else:
+            result = RunnerOutput(sampled=dict(zip((greedy[i].request_id for i in fast), tokens.tolist())))
+            if rest:
+                self._sample_rows(result, logits, [greedy[i] for i in rest], masks)
         t3 = time.perf_counter()
         result.timings = StepTimings(
             t1 - t0, t2 - t1, ctx.kv_update_s, ctx.attention_s, t3 - t2, masks.seconds if masks is not None else 0.0
@@ -202,14 +210,18 @@ class ModelRunner:
                 sample_rows.append(row_of[end - 1])
                 sample_reqs.append(req)
         if sample_reqs:
-            rows = logits[sample_rows] if len(sample_rows) != logits.shape[0] else logits
-            sampled = sample(rows, sample_reqs, masks)
-            commit_tokens(sample_reqs, sampled.token_ids)
-            for req, token, lp in zip(sample_reqs, sampled.token_ids, sampled.logprobs):
-                result.sampled[req.request_id] = token
-                if lp is not None:
-                    result.logprobs[req.request_id] = lp
+            self._sample_rows(result, logits[sample_rows] if len(sample_rows) != logits.shape[0] else logits, sample_reqs, masks)
         return result
+
+    @staticmethod
+    def _sample_rows(result: RunnerOutput, logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBatch]) -> None:
+        """Sample ``requests`` from ``logits`` (row i request i's) into ``result``."""
+        sampled = sample(logits, requests, masks)
+        commit_tokens(requests, sampled.token_ids)
+        for req, token, lp in zip(requests, sampled.token_ids, sampled.logprobs):
+            result.sampled[req.request_id] = token
+            if lp is not None:
+                result.logprobs[req.request_id] = lp
 
     def _prompt_logprobs(
         self, req: Request, n: int, logits: torch.Tensor, row_of: dict[int, int], start: int

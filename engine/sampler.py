@@ -299,6 +299,17 @@ def plain_greedy(req: Request) -> bool:
     )
 
 
+def fused_rows(requests: list[Request]) -> list[int]:
+    """The rows of ``requests`` (a step's sampling rows, every one of its logits rows) whose token
+    the LM head's fused argmax may give, when the rest are constrained rows that take logits and the
+    sampler on their own; [] when any other row needs logits (the whole step then samples).  So a
+    constrained request costs its neighbours nothing: plain greedy rows keep the fused argmax."""
+    fast = [i for i, r in enumerate(requests) if plain_greedy(r)]
+    if len(fast) + sum(r.matcher is not None for r in requests) != len(requests):
+        return []
+    return fast
+
+
 def sample(logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBatch] = None) -> SamplerOutput:
     """logits: float32 [len(requests), vocab], one row per request that samples this step.
 
@@ -318,7 +329,7 @@ def sample(logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBa
     if masks is not None:
         if logits is raw_logits and any(c >= 0 for c in counts):
             logits = logits.clone()  # logprobs still report the unmasked distribution
-        masks.apply(logits, raw_logits)
+        masks.apply(logits, raw_logits, requests)
 
     greedy = any(r.params.greedy for r in requests)
     tokens = greedy_tokens(logits) if greedy else torch.empty(len(requests), dtype=torch.long)

@@ -16,7 +16,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine, RequestError
 from engine.loader import load_model
 from engine.request import SamplingParams
-from engine.sampler import plain_greedy
+from engine.sampler import fused_rows, plain_greedy
 from engine.structured import StructuredSpec
 from engine.structured.masks import start_masks
 
@@ -27,7 +27,7 @@ PLAIN = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     cfg = EngineConfig(
-        model="default", dtype="float32", weight_quant="none",
+        model="default", dtype="float32",
         cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=16),
     )
     return LLMEngine(cfg, loaded=load_model("default", torch.float32))
@@ -51,10 +51,11 @@ def test_masks_only_touch_constrained_rows(engine: LLMEngine) -> None:
     reqs = engine.add_request("m", PROMPT, SamplingParams(max_tokens=4, structured=spec))
     free = engine.add_request("f", PROMPT, SamplingParams(max_tokens=4, temperature=0.0))
     assert not plain_greedy(reqs[0]) and plain_greedy(free[0])  # a constrained greedy row skips the fused argmax
+    assert fused_rows([free[0], reqs[0]]) == [0]  # ... but its plain neighbour keeps it
     masks = start_masks([free[0], reqs[0]], engine.model_config.vocab_size)
     logits = torch.randn(2, engine.model_config.vocab_size)
     before = logits.clone()
-    masks.apply(logits, before)
+    masks.apply(logits, before, [free[0], reqs[0]])
     assert torch.equal(logits[0], before[0])
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert allowed and all(engine.tokenizer.decode([t]).isdigit() for t in allowed)
@@ -69,6 +70,46 @@ def test_unconstrained_neighbour_unchanged(engine: LLMEngine) -> None:
     both = _run(engine, {"a": PLAIN, "c": SamplingParams(max_tokens=8, temperature=1.0, seed=1, structured=spec)})
     assert both["a"][0] == alone
     assert both["c"] == ("alpha", "stop") or both["c"] == ("beta", "stop")
+
+
+def test_constrained_row_leaves_neighbours_the_fused_argmax(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside a constrained request, plain greedy rows still get their tokens from the LM head's
+    fused argmax; only the constrained row's logits are computed."""
+    model = engine.runner.model
+    greedy_tokens, compute_logits = model.greedy_tokens, model.compute_logits
+    if greedy_tokens(torch.zeros(1, engine.model_config.hidden_size)) is None:
+        pytest.skip("this LM head has no fused argmax (no native kernels)")
+    fused, logits = [], []
+    monkeypatch.setattr(model, "greedy_tokens", lambda h: fused.append(h.shape[0]) or greedy_tokens(h))
+    monkeypatch.setattr(model, "compute_logits", lambda h: logits.append(h.shape[0]) or compute_logits(h))
+    spec = StructuredSpec("regex", "[a-z]{6}", "x")
+    out = _run(engine, {"a": PLAIN, "b": PLAIN, "c": SamplingParams(max_tokens=8, temperature=0.0, structured=spec)})
+    assert len(out["c"][0]) == 6 and out["c"][1] == "stop"
+    assert fused.count(2) >= 5 and logits.count(1) >= 2 and 3 not in logits, (fused, logits)  # steps: 2 fused + 1 alone
+
+
+def _finish(engine: LLMEngine, rid: str, params: SamplingParams) -> tuple[str, str, object]:
+    """(text, finish_reason, stop_reason) of one request run alone."""
+    engine.add_request(rid, PROMPT, params)
+    text, last = "", None
+    while engine.has_unfinished():
+        for d in engine.step()[0]:
+            text += d.new_text
+            last = d if d.finished else last
+    return text, last.finish_reason, last.stop_reason
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stop_string_inside_constrained_output_does_not_cut_it(engine: LLMEngine, temperature: float) -> None:
+    """A stop string ends a constrained output only where the returned text is complete: "END"
+    without the stop string left "xy" (not a match), so generation goes on to the grammar's end;
+    with include_stop_str_in_output the kept "xyEND" is complete, so the stop string ends it."""
+    spec = StructuredSpec("regex", "[a-z]{2}END", "guided_regex")
+    params = dict(max_tokens=16, temperature=temperature, seed=5, structured=spec, stop=["END"])
+    text, reason, stop_reason = _finish(engine, "s1", SamplingParams(**params))
+    assert reason == "stop" and stop_reason is None and len(text) == 5 and text.endswith("END"), (text, reason)
+    text, reason, stop_reason = _finish(engine, "s2", SamplingParams(**params, include_stop_str_in_output=True))
+    assert (reason, stop_reason) == ("stop", "END") and len(text) == 5 and text.endswith("END"), (text, reason)
 
 
 def test_bad_constraint_is_a_request_error(engine: LLMEngine) -> None:
@@ -101,10 +142,13 @@ _schema = st.recursive(
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(schema=_object(_schema), seed=st.integers(0, 2**31))
-def test_generated_schemas_validate(engine: LLMEngine, schema: dict, seed: int) -> None:
+@given(schema=_object(_schema), seed=st.integers(0, 2**31), stop=st.sampled_from([[], ["}"], [","], ['"', "]"]]))
+def test_generated_schemas_validate(engine: LLMEngine, schema: dict, seed: int, stop: list[str]) -> None:
+    """Stop strings included: one that would cut the JSON short must not end it with "stop"."""
     spec = StructuredSpec.json_schema(schema, "response_format")
-    outs = _run(engine, {"s": SamplingParams(max_tokens=96, temperature=1.0, seed=seed, n=2, structured=spec)})
+    params = SamplingParams(max_tokens=96, temperature=1.0, seed=seed, n=2, structured=spec, stop=stop,
+                            include_stop_str_in_output=bool(seed % 2))
+    outs = _run(engine, {"s": params})
     for rid, (text, reason) in outs.items():
         if rid == "s":
             continue

@@ -41,19 +41,20 @@ def _ll_executor() -> llg.LLExecutor:
 class MaskBatch:
     """The masks of one step's constrained rows.
 
-    ``rows``: indices into the step's sampling requests of the constrained ones;
-    ``bits``: int32 ``[len(rows), ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32`` set where
+    ``requests``: the constrained requests, in mask order (the sampler finds each one's logits row
+    by identity, so it may sample them alone or among others);
+    ``bits``: int32 ``[len(requests), ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32`` set where
     token ``t`` is allowed.  ``seconds``: time spent building and applying them (for the
     ``step_structured_mask_seconds`` histogram).
     """
 
-    def __init__(self, rows: list[int], matchers: list[llg.LLMatcher], vocab_size: int) -> None:
-        self.rows = rows
+    def __init__(self, requests: list["Request"], vocab_size: int) -> None:
+        self.requests = requests
         self.vocab_size = vocab_size
-        self.bits = torch.zeros(len(rows), (vocab_size + 31) // 32, dtype=torch.int32)
+        self.bits = torch.zeros(len(requests), (vocab_size + 31) // 32, dtype=torch.int32)
         self.build_s = 0.0
         self.apply_s = 0.0
-        self._future: Future = _worker.submit(self._build, matchers)
+        self._future: Future = _worker.submit(self._build, [r.matcher for r in requests])
 
     def _build(self, matchers: list[llg.LLMatcher]) -> None:
         t0 = time.perf_counter()
@@ -66,21 +67,23 @@ class MaskBatch:
         return self.build_s + self.apply_s
 
     def allowed(self) -> torch.Tensor:
-        """bool ``[len(rows), vocab_size]``: the masks, once built."""
+        """bool ``[len(requests), vocab_size]``: the masks, once built."""
         self._future.result()
         packed = self.bits.numpy().view(np.uint8)
         return torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")[:, : self.vocab_size]).bool()
 
-    def apply(self, logits: torch.Tensor, fallback: torch.Tensor) -> None:
+    def apply(self, logits: torch.Tensor, fallback: torch.Tensor, requests: Sequence["Request"]) -> None:
         """Set the constrained rows' disallowed logits to -inf, in place.
 
-        logits, fallback: float ``[num sampling rows, model vocab]``; ``fallback`` holds the rows
-        before biases and min_tokens, used for a row those left with no allowed token (min_tokens
-        banning EOS where the grammar can only end): the grammar wins.
+        logits, fallback: float ``[len(requests), model vocab]``, row i ``requests[i]``'s, which
+        must include every constrained request; ``fallback`` holds the rows before biases and
+        min_tokens, used for a row those left with no allowed token (min_tokens banning EOS where
+        the grammar can only end): the grammar wins.
         """
         allowed = self.allowed()
         t0 = time.perf_counter()
-        rows = torch.tensor(self.rows, dtype=torch.long)
+        row_of = {id(r): i for i, r in enumerate(requests)}
+        rows = torch.tensor([row_of[id(r)] for r in self.requests], dtype=torch.long)
         sub = logits[rows]
         width = min(sub.shape[1], allowed.shape[1])
         sub[:, :width].masked_fill_(~allowed[:, :width], -float("inf"))
@@ -97,11 +100,9 @@ class MaskBatch:
 
 def start_masks(requests: Sequence["Request"], vocab_size: int) -> Optional[MaskBatch]:
     """Begin building the masks of the constrained requests among ``requests`` (this step's
-    sampling rows, in order); None when none is constrained."""
-    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
-    if not rows:
-        return None
-    return MaskBatch(rows, [requests[i].matcher for i in rows], vocab_size)
+    sampling requests); None when none is constrained."""
+    constrained = [r for r in requests if r.matcher is not None]
+    return MaskBatch(constrained, vocab_size) if constrained else None
 
 
 def commit_tokens(requests: Sequence["Request"], tokens: Sequence[int]) -> None:
