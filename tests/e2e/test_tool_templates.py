@@ -76,8 +76,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 def hermes(model_dir, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
     srv = start_server("hermes", tmp_path_factory.mktemp("hermes-log"), "--model", str(model_dir),
                        "--dtype", "float32", "--threads", "1", "--kv-cache-gb", "0.1", "--max-model-len", "1024")
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    # Every call names the served model (the directory's name); with_options keeps the client's settings.
+    model = client.models.list().data[0].id
+    yield _Named(client, model)
     srv.stop()
+
+
+class _Named:
+    """The client with ``model`` filled in: ``hermes.create(...)`` is chat.completions.create for the served model."""
+
+    def __init__(self, client: openai.OpenAI, model: str) -> None:
+        self.client, self.model = client, model
+
+    def create(self, **kw):  # noqa: ANN003, ANN201
+        return self.client.chat.completions.create(model=self.model, **kw)
 
 
 def _prompt_tokens(model_dir, messages: list[dict], tools: list[dict]) -> int:  # noqa: ANN001
@@ -92,9 +105,9 @@ def _check(message, names) -> None:  # noqa: ANN001
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-def test_required_calls_in_the_templates_format(hermes: openai.OpenAI, model_dir) -> None:  # noqa: ANN001
+def test_required_calls_in_the_templates_format(hermes: "_Named", model_dir) -> None:  # noqa: ANN001
     for parallel in (True, False):
-        r = hermes.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice="required",
+        r = hermes.create(messages=ASK, tools=TOOLS, tool_choice="required",
                                            parallel_tool_calls=parallel, max_tokens=150, temperature=1.0, seed=3, n=2)
         for c in r.choices:
             assert c.finish_reason == "tool_calls", c
@@ -104,15 +117,15 @@ def test_required_calls_in_the_templates_format(hermes: openai.OpenAI, model_dir
     assert r.usage.prompt_tokens == _prompt_tokens(model_dir, ASK, TOOLS)
 
 
-def test_named_call_streams_id_and_name_then_argument_fragments(hermes: openai.OpenAI) -> None:
-    kw = dict(model="x", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+def test_named_call_streams_id_and_name_then_argument_fragments(hermes: "_Named") -> None:
+    kw = dict(messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
               max_tokens=150, temperature=0)
-    whole = hermes.chat.completions.create(**kw).choices[0]
+    whole = hermes.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls"
     _check(whole.message, {"get_weather"})
     pieces: list = []
     finish = None
-    for ch in hermes.chat.completions.create(**kw, stream=True):
+    for ch in hermes.create(**kw, stream=True):
         for choice in ch.choices:
             pieces += choice.delta.tool_calls or []
             assert not choice.delta.content
@@ -124,13 +137,13 @@ def test_named_call_streams_id_and_name_then_argument_fragments(hermes: openai.O
     assert "".join(fragments) == whole.message.tool_calls[0].function.arguments
 
 
-def test_auto_and_history_in_the_templates_shape(hermes: openai.OpenAI, model_dir) -> None:  # noqa: ANN001
+def test_auto_and_history_in_the_templates_shape(hermes: "_Named", model_dir) -> None:  # noqa: ANN001
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
     ]
-    r = hermes.chat.completions.create(model="x", messages=history, tools=TOOLS, max_tokens=24, temperature=1.0, seed=1, n=3)
+    r = hermes.create(messages=history, tools=TOOLS, max_tokens=24, temperature=1.0, seed=1, n=3)
     native = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
                                    for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in history]
     assert r.usage.prompt_tokens == _prompt_tokens(model_dir, native, TOOLS)
