@@ -171,7 +171,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     srv = None
     url = a.base_url
     if url is None:
-        ns = argparse.Namespace(ours_cmd=None, python=sys.executable, ours_args=a.ours_args, log_dir=a.log_dir, gguf=None)
+        ns = argparse.Namespace(ours_cmd=None, python=sys.executable, ours_args=a.ours_args, log_dir=a.log_dir,
+                                gguf=compare.bs.default_gguf_path(), served_name=compare.SERVED_NAME)
         srv = compare.start_ours(ns, compare.free_port())
         compare.wait_healthy(srv, 600)
         url = srv.base_url
