@@ -34,8 +34,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.layers import gguf_blocks
-from engine.layers import quant as Q
+from engine.quant import blocks as gguf_blocks
+from engine.quant import weights as Q
 
 HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
 SHAPES = [  # name, N, K, GGUF qtype

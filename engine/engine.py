@@ -159,7 +159,7 @@ class LLMEngine:
         (packed projections, a quantized embedding), so it never dequantizes them."""
         if self.config.weight_quant == "none":
             return set()
-        from engine.layers import quant
+        from engine.quant import weights as quant
 
         large_act_bits = 8 if self.config.large_batch_int8 else 0
         return quant.dense_free_weights(gguf_tensors, model_config.tie_word_embeddings, large_act_bits)
@@ -176,7 +176,7 @@ class LLMEngine:
         if self.config.weight_quant == "none":
             self._check_served(absent)
             return
-        from engine.layers import quant
+        from engine.quant import weights as quant
         from engine.layers.embedding import BlockEmbedding
 
         model = self.runner.model

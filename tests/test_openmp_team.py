@@ -18,7 +18,7 @@ import torch
 
 from engine import sampler
 from engine.layers import fused
-from engine.layers import quant as Q
+from engine.quant import weights as Q
 
 pytestmark = pytest.mark.skipif(not Q.native_available(), reason="native extension unavailable")
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.layers import quant as Q
+from engine.quant import weights as Q
 from engine.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(not Q.native_available(), reason="native extension unavailable")

@@ -12,8 +12,8 @@ import torch
 from test_qlinear import FakeGGUFTensor, assert_first_maximum, bits, check_output, gguf_dequantize, isa  # noqa: F401
 from tiny_models import make_tiny_gguf
 
-from engine.layers import gguf_blocks
-from engine.layers import quant as Q
+from engine.quant import blocks as gguf_blocks
+from engine.quant import weights as Q
 
 pytestmark = pytest.mark.skipif(not Q.native_available(), reason="native extension unavailable")
 

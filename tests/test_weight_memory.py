@@ -15,7 +15,7 @@ import torch
 from engine import engine as engine_module
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.layers import quant as Q
+from engine.quant import weights as Q
 from engine.layers.embedding import BlockEmbedding
 from engine.layers.linear import Linear
 from engine.loader import load_model

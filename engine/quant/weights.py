@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch import nn
 
-from engine.layers import gguf_blocks
-from engine.layers.gguf_blocks import QTYPE_IDS, deinterleave_rows as _deinterleave_rows, interleave_rows as _interleave_rows
+from engine.quant import blocks as gguf_blocks
+from engine.quant.blocks import QTYPE_IDS, deinterleave_rows as _deinterleave_rows, interleave_rows as _interleave_rows
 from engine.loader.gguf import dequantize_rows
 
 if TYPE_CHECKING:
