@@ -252,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors in, merging q/k/v and gate/up into one matmul each.
 
         ``absent``: HF names the caller knowingly leaves out because it serves them another way
-        (GGUF blocks: engine.layers.quant.dense_free_weights); their parameters stay uninitialised,
+        (GGUF blocks: engine.quant.attach.dense_free_weights); their parameters stay uninitialised,
         for the caller to replace.  Any other missing weight is an error.
         """
         params = dict(self.named_parameters())
