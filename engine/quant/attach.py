@@ -9,11 +9,13 @@ to leave as blocks only) and after (the model surgery).
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Collection, Optional, Sequence
 
 from torch import nn
 
 from engine.quant import routing
+from engine.quant.pack_cache import PackCache
 from engine.quant.routing import FAMILY, ROWS_INT8_MIN_ROWS, default_max_rows, large_batch_packed
 from engine.quant.weights import (
     PackedParts,
@@ -171,6 +173,7 @@ def attach_gguf_weights(
     quantize_dense: bool = False,
     large_act_bits: int = 0,
     rows_int8: bool = False,
+    cache: Optional[PackCache] = None,
 ) -> dict[str, Any]:
     """Attach packed weights to every Linear of a Llama-family model (HF names, as the loader gives).
 
@@ -178,7 +181,8 @@ def attach_gguf_weights(
     mixed qtypes as :class:`PackedParts`); otherwise, with
     ``quantize_dense`` (opt-in, lossy), a Q8_0 copy of its dense weight; else it stays dense.  The
     LM head uses ``lm_head.weight`` or, tied, ``model.embed_tokens.weight``.  With ``rows_int8``
-    (and ``large_act_bits``) each also gets a row-scaled int8 copy for large batches.  Returns
+    (and ``large_act_bits``) each also gets a row-scaled int8 copy for large batches.  ``cache``
+    supplies packed layouts a previous run stored, and takes this run's.  Returns
     counts, packed bytes (both copies) and, under "dense_reasons", (name, "qtype shape: reason")
     for each projection left dense (:func:`dense_summary` words them for the load log).
     """
@@ -199,7 +203,11 @@ def attach_gguf_weights(
             found = [gguf_tensors[s] for s in sources]
             why = packing_refusal(found)
             if why is None:
-                packed = pack_gguf(found)
+                packed = cache.get(name) if cache is not None else None
+                if packed is None:
+                    packed = pack_gguf(found)
+                    if cache is not None:
+                        cache.put(name, packed)
             else:  # for the load log: which tensors run dense, and why
                 kinds = ", ".join(f"{t.qtype} {int(t.shape[0])}x{int(t.shape[1])}" for t in found)
                 why = f"{kinds}: {why}"
@@ -250,9 +258,15 @@ def _attach(model: nn.Module, config: "EngineConfig", loaded: "LoadedModel", abs
     if rows_int8 and not rows_int8_fast():
         logger.info("no AVX-512 VNNI or AMX here: large batches use the packed blocks, not row-int8 copies")
         rows_int8 = False
+    cache = PackCache(loaded.source) if loaded.gguf_tensors and os.path.isfile(loaded.source) else None
     stats = attach_gguf_weights(
         model, loaded.gguf_tensors, quantize_dense=config.weight_quant == "q8_0", large_act_bits=8 if large_int8 else 0,
+        cache=cache,
     )
+    if cache is not None and cache.hit:
+        logger.info("packed weights mapped from the cache %s.bin (repacked when the file or the layout changes)", cache.base)
+    elif cache is not None and (written := cache.save()) is not None:
+        logger.info("packed weights cached in %s for the next start-up", written)
     if EMBEDDING in absent:
         model.embed_tokens = BlockEmbedding.from_gguf(loaded.gguf_tensors[EMBEDDING], loaded.source, config.torch_dtype)
         logger.info("token embedding looked up from its %s blocks (%.0f MiB, mapped from the file; no dense copy)",
