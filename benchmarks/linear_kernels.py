@@ -34,8 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.layers import gguf_blocks
-from engine.layers import quant as Q
+from engine.quant import blocks as qblocks, weights as qweights
 
 HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
 SHAPES = [  # name, N, K, GGUF qtype
@@ -70,9 +69,9 @@ WORKING_SET = _working_set_bytes()
 
 def _random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """Random valid GGUF blocks of any packed qtype (random bytes, small fp16 fields)."""
-    bw, bb = gguf_blocks.GGUF_BLOCKS[qtype]
+    bw, bb = qblocks.GGUF_BLOCKS[qtype]
     raw = torch.randint(0, 256, (n, k // bw, bb), dtype=torch.uint8, generator=gen)
-    for i, at in enumerate(gguf_blocks.FP16_AT[qtype]):
+    for i, at in enumerate(qblocks.FP16_AT[qtype]):
         sign = -1 if i and qtype.endswith("_1") else 1  # Q4_1 / Q5_1's offset m negative, as a real file's
         raw[..., at : at + 2] = (sign * torch.rand(n, k // bw, 1, generator=gen) * 0.01).half().view(torch.uint8)
     return raw.reshape(n, -1)
@@ -100,11 +99,11 @@ def best_time(fns: list[Callable[[], object]], trials: int = 7, min_trial_s: flo
 def kernel_table(ms: list[int], isa: str | None) -> dict[tuple[str, int], tuple[float, float]]:
     gen = torch.Generator().manual_seed(0)
     results = {}
-    print(f"packed kernel path: {isa or Q.available_isas()[-1]}; torch threads: {torch.get_num_threads()}")
+    print(f"packed kernel path: {isa or qweights.available_isas()[-1]}; torch threads: {torch.get_num_threads()}")
     # The row-int8 copies on each fast path this CPU has (AVX-512 VNNI, AMX int8), side by side; with
     # --isa, on that path where it is a row-int8 one, else on the scalar reference.
-    fast_rows = [r for r in Q.rows_isas() if r != "scalar"]
-    rows_isas = (fast_rows or ["scalar"]) if isa is None else [isa if isa in Q.rows_isas() else "scalar"]
+    fast_rows = [r for r in qweights.rows_isas() if r != "scalar"]
+    rows_isas = (fast_rows or ["scalar"]) if isa is None else [isa if isa in qweights.rows_isas() else "scalar"]
     print(f"row-int8 paths: {', '.join(rows_isas)}")
     print(f"{'shape':8s} {'N x K':>12s} {'M':>3s} | {'dense bf16':>10s} {'GB/s':>6s} | {'packed a16':>10s} {'GB/s':>6s} | "
           f"{'speedup':>7s} | {'packed a8':>9s} {'speedup':>7s} | "
@@ -113,17 +112,17 @@ def kernel_table(ms: list[int], isa: str | None) -> dict[tuple[str, int], tuple[
     for name, n, k, qtype in SHAPES:
         dense_bytes = n * k * 2
         raw = _random_blocks(qtype, n, k, gen)
-        packed0 = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, 16)
-        w0 = Q.dequantize_blocks(raw, qtype, (n, k)).to(torch.bfloat16)
+        packed0 = qweights.PackedWeight(qblocks.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, 16)
+        w0 = qblocks.dequantize_blocks(raw, qtype, (n, k)).to(torch.bfloat16)
         n_dense = max(1, WORKING_SET // dense_bytes)
         n_packed = max(1, WORKING_SET // packed0.nbytes)
         dense = [w0] + [w0.clone() for _ in range(n_dense - 1)]
-        packed = [packed0] + [Q.PackedWeight(packed0.data.clone(), qtype, (n, k), isa, 16) for _ in range(n_packed - 1)]
+        packed = [packed0] + [qweights.PackedWeight(packed0.data.clone(), qtype, (n, k), isa, 16) for _ in range(n_packed - 1)]
         packed8 = [p.with_isa(isa, 8) for p in packed]
-        rows0 = Q.rows_int8_from(packed0)
-        rows = [rows0] + [Q.RowInt8Weight(rows0.data.clone(), rows0.scales, (n, k))
+        rows0 = qweights.rows_int8_from(packed0)
+        rows = [rows0] + [qweights.RowInt8Weight(rows0.data.clone(), rows0.scales, (n, k))
                           for _ in range(max(1, WORKING_SET // rows0.nbytes) - 1)]
-        rows_by_isa = {ri: [Q.RowInt8Weight(r.data, r.scales, (n, k), ri) for r in rows] for ri in rows_isas}
+        rows_by_isa = {ri: [qweights.RowInt8Weight(r.data, r.scales, (n, k), ri) for r in rows] for ri in rows_isas}
         for m in ms:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             td = best_time([lambda w=w: F.linear(x, w) for w in dense])
@@ -152,15 +151,15 @@ def qtype_table(ms: list[int], qtypes: list[str], isa: str | None) -> None:
     it reads and the GB/s that makes; and the sum over one token's projections (16 layers + the
     LM head in that type)."""
     gen = torch.Generator().manual_seed(0)
-    print(f"\npacked kernels by block type at the 1B shapes (path {isa or Q.available_isas()[-1]}, "
+    print(f"\npacked kernels by block type at the 1B shapes (path {isa or qweights.available_isas()[-1]}, "
           f"{torch.get_num_threads()} threads)")
     print(f"{'qtype':6s} {'shape':8s} {'N x K':>13s} {'M':>3s} | {'time':>9s} {'MiB':>7s} {'bits/w':>6s} {'GB/s':>6s}")
     for m in ms:
         for qtype in qtypes:
             token = 0.0
             for name, n, k in SHAPES_1B:
-                p0 = Q.PackedWeight(Q.pack_blocks(_random_blocks(qtype, n, k, gen), qtype, (n, k)), qtype, (n, k), isa)
-                copies = [p0] + [Q.PackedWeight(p0.data.clone(), qtype, (n, k), isa) for _ in range(max(1, WORKING_SET // p0.nbytes) - 1)]
+                p0 = qweights.PackedWeight(qblocks.pack_blocks(_random_blocks(qtype, n, k, gen), qtype, (n, k)), qtype, (n, k), isa)
+                copies = [p0] + [qweights.PackedWeight(p0.data.clone(), qtype, (n, k), isa) for _ in range(max(1, WORKING_SET // p0.nbytes) - 1)]
                 x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
                 t = best_time([lambda p=p: p(x) for p in copies], trials=5)
                 token += t * (1 if name == "lm_head" else LAYERS_1B)
@@ -191,13 +190,13 @@ def decode_token_linears(isa: str | None) -> None:
             ["mlp.down_proj"],
         ):
             names = [f"{p}{s}.weight" for s in parts]
-            pw = Q.pack_gguf([g[nm] for nm in names], isa)
+            pw = qweights.pack_gguf([g[nm] for nm in names], isa)
             dw = torch.cat([w[nm] for nm in names]) if len(names) > 1 else w[names[0]]
             seq_packed.append(pw)
             seq_dense.append(dw)
             total_packed += pw.nbytes
             total_dense += dw.numel() * 2
-    head = Q.pack_gguf([g["model.embed_tokens.weight"]], isa)
+    head = qweights.pack_gguf([g["model.embed_tokens.weight"]], isa)
     seq_packed.append(head)
     seq_dense.append(w["model.embed_tokens.weight"])
     total_packed += head.nbytes
@@ -276,13 +275,13 @@ def _linears(lm, packed: bool, dt: torch.dtype, isa: str | None, act_bits: int =
         for key, parts in groups.items():
             names = [f"{p}{s}.weight" for s in parts]
             if packed:
-                out[p + key] = Q.pack_gguf([g[n] for n in names], isa, act_bits)
+                out[p + key] = qweights.pack_gguf([g[n] for n in names], isa, act_bits)
             else:
                 dw = torch.cat([w[n] for n in names]).to(dt)
                 out[p + key] = lambda x, dw=dw: F.linear(x, dw)
     head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
     if packed:
-        out["lm_head"] = Q.pack_gguf([g[head]], isa, act_bits)
+        out["lm_head"] = qweights.pack_gguf([g[head]], isa, act_bits)
     else:
         hw = w[head].to(dt)
         out["lm_head"] = lambda x: F.linear(x, hw)
@@ -383,15 +382,15 @@ def fused_ops(t: int = 1) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="*", default=[1, 4, 16, 64], help="activation rows")
-    ap.add_argument("--isa", default=None, help=f"pin the packed path ({', '.join(Q.ISA_NAMES.values())})")
+    ap.add_argument("--isa", default=None, help=f"pin the packed path ({', '.join(qweights.ISA_NAMES.values())})")
     ap.add_argument("--accuracy", action="store_true", help="also measure activation-quantization accuracy")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--fused", action="store_true", help="also time the fused element-wise ops")
     ap.add_argument("--no-table", action="store_true", help="skip the kernel table and decode total")
     ap.add_argument("--qtypes", nargs="*", default=None, metavar="QTYPE",
-                    help=f"time these block types at the 1B shapes instead ({', '.join(Q.QTYPE_IDS)})")
+                    help=f"time these block types at the 1B shapes instead ({', '.join(qblocks.QTYPE_IDS)})")
     args = ap.parse_args()
-    if not Q.native_available():
+    if not qweights.native_available():
         raise SystemExit("native extension unavailable: nothing to benchmark")
     if args.qtypes:
         qtype_table(args.m, args.qtypes, args.isa)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -19,11 +20,12 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from engine.attention.backends.cpu import kv_cache_torch_dtype, resolve_kv_cache_dtype
-from engine.config import PREFIX_CACHE_MAX_GB, EngineConfig, ModelConfig, default_kv_cache_gb
+from engine.config import PREFIX_CACHE_MAX_GB, EngineConfig, default_kv_cache_gb
 from engine.kv_cache import KVCacheManager
-from engine.loader import GGUFTensor, LoadedModel, load_model
+from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.output_processor import RequestTextState
+from engine.quant.attach import attach_quantized_weights, skip_dense
 from engine.request import (
     CompletionDelta,
     CompletionOutput,
@@ -66,7 +68,8 @@ class LLMEngine:
         _bound_onednn_caches()
         torch.set_num_threads(config.num_threads)
         t0 = time.monotonic()
-        loaded = loaded or load_model(config.model, config.torch_dtype, progress=progress, skip_dense=self._skip_dense)
+        skip = functools.partial(skip_dense, config)
+        loaded = loaded or load_model(config.model, config.torch_dtype, progress=progress, skip_dense=skip)
         t_load = time.monotonic()
         self.model_config = loaded.config
         # "auto" KV cache resolved for this model and CPU, on a copy: everything below (the layers,
@@ -85,7 +88,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded.config, self.max_model_len, num_blocks)
         absent = set(loaded.gguf_tensors) - set(loaded.weights)  # served from their blocks alone
         self.runner.load_weights(loaded.weights, absent)
-        self._attach_packed_weights(loaded, absent)
+        attach_quantized_weights(self.runner.model, config, loaded, absent)
         del loaded
         t_weights = time.monotonic()
         self.runner.allocate_kv_cache()
@@ -153,92 +156,6 @@ class LLMEngine:
         one_context = -(-self.max_model_len // cache.block_size)
         cap = max(1, int(PREFIX_CACHE_MAX_GB * 2**30) // self.kv_block_bytes)
         return min(num_blocks, max(num_blocks // 32, one_context), cap)
-
-    def _skip_dense(self, model_config: ModelConfig, gguf_tensors: dict[str, GGUFTensor]) -> set[str]:
-        """The loader's ``skip_dense``: the GGUF weights this engine will serve from their blocks alone
-        (packed projections, a quantized embedding), so it never dequantizes them."""
-        if self.config.weight_quant == "none":
-            return set()
-        from engine.layers import quant
-
-        large_act_bits = 8 if self.config.large_batch_int8 else 0
-        return quant.dense_free_weights(gguf_tensors, model_config.tie_word_embeddings, large_act_bits)
-
-    def _attach_packed_weights(self, loaded: LoadedModel, absent: set[str]) -> None:
-        """Keep GGUF's low-bit blocks for small-batch matmuls where the native kernels exist.
-
-        ``weight_quant``: "auto" packs the file's own blocks (exact w.r.t. the weights);
-        "q8_0" also quantizes dense weights (HF checkpoints; lossy); "none" stays dense.
-        ``large_batch_matmul`` decides whether batches above the small-batch limit use them too,
-        and whether row-int8 copies serve the largest (within ``rows_int8_budget_gb``).  ``absent``:
-        the weights loaded without a dense copy, which must end up served from their blocks.
-        """
-        if self.config.weight_quant == "none":
-            self._check_served(absent)
-            return
-        from engine.layers import quant
-        from engine.layers.embedding import BlockEmbedding
-
-        model = self.runner.model
-        large_int8 = self.config.large_batch_int8
-        rows_int8 = self.config.large_batch_rows_int8
-        if rows_int8 and not quant.rows_int8_fast():
-            logger.info("no AVX-512 VNNI or AMX here: large batches use the packed blocks, not row-int8 copies")
-            rows_int8 = False
-        stats = quant.attach_gguf_weights(
-            model,
-            loaded.gguf_tensors,
-            quantize_dense=self.config.weight_quant == "q8_0",
-            large_act_bits=8 if large_int8 else 0,
-        )
-        if quant.EMBEDDING in absent:
-            model.embed_tokens = BlockEmbedding.from_gguf(
-                loaded.gguf_tensors[quant.EMBEDDING], loaded.source, self.config.torch_dtype
-            )
-            logger.info("token embedding looked up from its %s blocks (%.0f MiB, mapped from the file; no dense copy)",
-                        model.embed_tokens.qtype, model.embed_tokens.nbytes / 2**20)
-        if stats["dense"]:
-            logger.info("dense projections: %s", quant.dense_summary(stats["dense_reasons"]))
-        if stats["packed"] or stats["quantized"]:
-            if rows_int8:
-                budget = None if self.config.large_batch_matmul == "int8_rows" else int(self.config.rows_int8_budget_gb * 2**30)
-                rows_int8, why = quant.rows_int8_decision(quant.rows_int8_bytes(model), budget)
-                logger.info("row-int8 weight copies for large batches: %s", why)
-            if rows_int8:  # before binding: the native layers copy each projection's routing
-                stats["bytes"] += quant.attach_rows_int8(model)
-                quant.tune_rows_int8_min_rows(model)
-            native_layers = model.bind_packed_layers()
-            large = "dense"
-            if large_int8:
-                large = "packed, int8 activations" + (
-                    f"; row-int8 copies ({quant.rows_isas()[-1]}) for larger ones" if rows_int8 else ""
-                )
-            logger.info(
-                "packed weights: %d from the file, %d quantized to Q8_0, %d dense (%.0f MiB); large batches: %s; "
-                "%d layers on the native packed path",
-                stats["packed"], stats["quantized"], stats["dense"], stats["bytes"] / 2**20, large, native_layers,
-            )
-            params = dict(model.named_parameters())
-            never_loaded = sum(params[t].numel() * params[t].element_size() for t in self._targets(absent) if t in params)
-            freed = quant.release_dense_weights(model) - never_loaded
-            if freed:
-                logger.info("freed %.0f MiB of dense weights that the packed ones fully serve", freed / 2**20)
-        self._check_served(absent)
-
-    def _targets(self, absent: set[str]) -> set[str]:
-        """The model parameters that the weights loaded without a dense copy would have filled."""
-        targets = {self.runner.model.parameter_for(name)[0] for name in absent}
-        if "embed_tokens.weight" in targets and self.model_config.tie_word_embeddings:
-            targets.add("lm_head.weight")
-        return targets
-
-    def _check_served(self, absent: set[str]) -> None:
-        """Fail loudly if a weight loaded without its dense copy is still read densely (its
-        parameter was never filled): the loader's skip_dense and the packing disagreed."""
-        params = dict(self.runner.model.named_parameters())
-        unserved = sorted(t for t in self._targets(absent) if t in params and params[t].numel())
-        if unserved:
-            raise RuntimeError(f"weights loaded without a dense copy are not served by packed kernels: {unserved[:5]}")
 
     # --- requests -----------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ import torch
 
 from engine import sampler
 from engine.layers import fused
-from engine.layers import quant as Q
+from engine.quant import blocks as qblocks, weights as qweights
 
-pytestmark = pytest.mark.skipif(not Q.native_available(), reason="native extension unavailable")
+pytestmark = pytest.mark.skipif(not qweights.native_available(), reason="native extension unavailable")
 
 THREADS = 4
 
@@ -29,11 +29,11 @@ def thread_ids() -> set[str]:
     return set(os.listdir("/proc/self/task"))
 
 
-def packed(n: int, k: int) -> Q.PackedWeight:
+def packed(n: int, k: int) -> qweights.PackedWeight:
     g = torch.Generator().manual_seed(n)
-    raw = torch.randint(0, 256, (n, k // 32, Q.BLOCK_BYTES["Q4_1"]), dtype=torch.uint8, generator=g)
+    raw = torch.randint(0, 256, (n, k // 32, qblocks.BLOCK_BYTES["Q4_1"]), dtype=torch.uint8, generator=g)
     raw[..., 0:4] = torch.tensor([0.01, -0.08], dtype=torch.float16).view(torch.uint8)  # d, m
-    return Q.PackedWeight(Q.pack_blocks(raw.reshape(n, -1), "Q4_1", (n, k)), "Q4_1", (n, k))
+    return qweights.PackedWeight(qblocks.pack_blocks(raw.reshape(n, -1), "Q4_1", (n, k)), "Q4_1", (n, k))
 
 
 def matmuls() -> list[Callable[[], object]]:

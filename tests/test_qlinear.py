@@ -1,4 +1,4 @@
-"""Packed GGUF-block matmul (engine/csrc/qlinear.cpp, engine/layers/quant.py) against dequantize-then-matmul.
+"""Packed GGUF-block matmul (engine/csrc/qlinear.cpp, engine/quant/) against dequantize-then-matmul.
 
 The kernel quantizes each 32-block of an activation row to int8 (scale = amax / 127, round to
 nearest even) and is otherwise exact: the reference below applies the same activation rounding and
@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.layers import quant as Q
+from engine.quant import attach, blocks as qblocks, routing, weights as qweights
 from engine.layers.linear import Linear
 
-pytestmark = pytest.mark.skipif(not Q.native_available(), reason="native extension unavailable")
+pytestmark = pytest.mark.skipif(not qweights.native_available(), reason="native extension unavailable")
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
 ALL_ISAS = ["scalar", "avx2", "avx-vnni", "avx512-vnni"]
@@ -36,7 +36,7 @@ class FakeGGUFTensor:  # the loader's GGUFTensor: qtype, raw uint8 [rows, bytes_
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0, scale: float = 0.02) -> torch.Tensor:
     """Random GGUF blocks: every quant byte value (incl. Q8_0's -128), realistic fp16 scales."""
     g = torch.Generator().manual_seed(seed)
-    nb, bb = k // 32, Q.BLOCK_BYTES[qtype]
+    nb, bb = k // 32, qblocks.BLOCK_BYTES[qtype]
     raw = torch.randint(0, 256, (n, nb, bb), dtype=torch.uint8, generator=g)
     d = (torch.rand(n, nb, 1, generator=g) * scale + scale / 10).half()
     raw[..., 0:2] = d.view(torch.uint8)
@@ -84,7 +84,7 @@ def check_output(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None, b
 
 @pytest.fixture(params=ALL_ISAS)
 def isa(request):
-    if request.param not in Q.available_isas():
+    if request.param not in qweights.available_isas():
         pytest.skip(f"{request.param} not supported on this CPU")
     return request.param
 
@@ -97,10 +97,10 @@ def bits(request):
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_layout_roundtrip_and_dequantize(qtype):
     raw = random_blocks(qtype, 37, 96, seed=1)
-    packed = Q.pack_blocks(raw, qtype, (37, 96))
-    assert packed.numel() == 3 * 3 * Q.GROUP_BLOCK_BYTES[qtype]  # 37 rows -> 3 groups of 16
-    assert torch.equal(Q.unpack_blocks(packed, qtype, (37, 96)), raw)
-    assert torch.equal(Q.dequantize_blocks(raw, qtype, (37, 96)), gguf_dequantize(raw, qtype, (37, 96)))
+    packed = qblocks.pack_blocks(raw, qtype, (37, 96))
+    assert packed.numel() == 3 * 3 * qblocks.GROUP_BLOCK_BYTES[qtype]  # 37 rows -> 3 groups of 16
+    assert torch.equal(qblocks.unpack_blocks(packed, qtype, (37, 96)), raw)
+    assert torch.equal(qblocks.dequantize_blocks(raw, qtype, (37, 96)), gguf_dequantize(raw, qtype, (37, 96)))
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -110,7 +110,7 @@ def test_matmul_random_blocks(isa, bits, qtype, m, dtype):
     n, k = 200, 320  # 13 groups, the last one partial
     raw = random_blocks(qtype, n, k, seed=m)
     w = gguf_dequantize(raw, qtype, (n, k))
-    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
+    pw = qweights.PackedWeight(qblocks.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(dtype)
     x[0, :32] = 0  # an all-zero activation block
     check_output(pw(x), x, w, bits=bits)
@@ -123,7 +123,7 @@ def test_a_row_gets_the_same_bits_in_any_batch(isa, bits, qtype, n):
     (groups in pairs) differently from several (rows in tiles of 4), in the same arithmetic."""
     k = 320
     raw = random_blocks(qtype, n, k, seed=n)
-    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
+    pw = qweights.PackedWeight(qblocks.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(5))  # float32 out: every bit shows
     alone = torch.cat([pw(x[i : i + 1]) for i in range(9)])
     for m in (2, 3, 4, 5, 9):
@@ -137,8 +137,8 @@ def test_large_batches_quantized_by_every_thread_match_small_ones(isa, qtype):
     on the block kernel and on the row-scaled int8 copy."""
     n, k, m = 200, 320, 64  # 64 x 320 = 20K elements; 8-row slices are 2.5K
     raw = random_blocks(qtype, n, k, seed=9)
-    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, 8)
-    rw = Q.quantize_rows_int8(gguf_dequantize(raw, qtype, (n, k)))
+    pw = qweights.PackedWeight(qblocks.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, 8)
+    rw = qweights.quantize_rows_int8(gguf_dequantize(raw, qtype, (n, k)))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
     for layer in (pw, rw):
         whole = layer(x)
@@ -151,7 +151,7 @@ def test_bias(isa, bits, qtype, bias_dtype):
     n, k = 40, 64
     raw = random_blocks(qtype, n, k, seed=3)
     w = gguf_dequantize(raw, qtype, (n, k))
-    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
+    pw = qweights.PackedWeight(qblocks.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
     x = torch.randn(5, k).to(bias_dtype)
     bias = torch.randn(n).to(bias_dtype)
     check_output(pw(x, bias), x, w, bias, bits=bits)
@@ -161,7 +161,7 @@ def test_merged_rows_pack_like_one_tensor(isa, bits):
     """qkv_proj = q, k, v stacked along rows: packing the list equals packing their concatenation."""
     k = 576
     parts = [FakeGGUFTensor("Q4_1", random_blocks("Q4_1", n, k, seed=n), (n, k)) for n in (576, 192, 192)]
-    pw = Q.pack_gguf(parts, isa, bits)
+    pw = qweights.pack_gguf(parts, isa, bits)
     assert pw is not None and pw.shape == (960, k)
     w = torch.cat([gguf_dequantize(p.data, "Q4_1", p.shape) for p in parts])
     x = torch.randn(3, k)
@@ -174,20 +174,20 @@ def test_pack_gguf_refuses_what_has_no_kernel():
     q41 = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 16, k), (16, k))
     q80 = FakeGGUFTensor("Q8_0", random_blocks("Q8_0", 16, k), (16, k))
     q3k = FakeGGUFTensor("Q3_K", torch.zeros(16, 110, dtype=torch.uint8), (16, 256))
-    assert isinstance(Q.pack_gguf([q41, q80]), Q.PackedParts)  # mixed qtypes: one part each
+    assert isinstance(qweights.pack_gguf([q41, q80]), qweights.PackedParts)  # mixed qtypes: one part each
     odd = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 15, k), (15, k))
-    assert Q.pack_gguf([odd, q80]) is None  # ... in whole 16-row groups only
-    assert Q.pack_gguf([q3k]) is None
-    assert Q.pack_gguf([]) is None
+    assert qweights.pack_gguf([odd, q80]) is None  # ... in whole 16-row groups only
+    assert qweights.pack_gguf([q3k]) is None
+    assert qweights.pack_gguf([]) is None
     wide = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 16, 2 * k), (16, 2 * k))
-    assert Q.pack_gguf([q41, wide]) is None
+    assert qweights.pack_gguf([q41, wide]) is None
 
 
 def test_strided_and_3d_inputs():
     n, k = 48, 128
     raw = random_blocks("Q8_0", n, k)
     w = gguf_dequantize(raw, "Q8_0", (n, k))
-    pw = Q.PackedWeight(Q.pack_blocks(raw, "Q8_0", (n, k)), "Q8_0", (n, k))
+    pw = qweights.PackedWeight(qblocks.pack_blocks(raw, "Q8_0", (n, k)), "Q8_0", (n, k))
     base = torch.randn(4, 3 * k)
     x = base[:, k : 2 * k]  # row stride 3k
     check_output(pw(x), x.contiguous(), w)
@@ -202,10 +202,10 @@ def test_isa_paths_agree_closely():
     n, k = 96, 1536
     raw = random_blocks("Q4_1", n, k, seed=11)
     x = torch.randn(4, k)
-    packed = Q.pack_blocks(raw, "Q4_1", (n, k))
+    packed = qblocks.pack_blocks(raw, "Q4_1", (n, k))
     for bits in (8, 16):
-        outs = {isa: Q.PackedWeight(packed, "Q4_1", (n, k), isa, bits)(x) for isa in Q.available_isas()}
-        best = outs[Q.available_isas()[-1]]
+        outs = {isa: qweights.PackedWeight(packed, "Q4_1", (n, k), isa, bits)(x) for isa in qweights.available_isas()}
+        best = outs[qweights.available_isas()[-1]]
         for isa, y in outs.items():  # identical integer sums; only the float accumulation order differs
             torch.testing.assert_close(y, best, atol=1e-5, rtol=1e-5, msg=isa)
 
@@ -217,8 +217,8 @@ def test_act_bits_16_is_nearly_exact():
     w = gguf_dequantize(raw, "Q4_1", (n, k)).double()
     x = torch.randn(2, k)
     exact = x.double() @ w.t()
-    packed = Q.pack_blocks(raw, "Q4_1", (n, k))
-    err = {b: ((Q.PackedWeight(packed, "Q4_1", (n, k), act_bits=b)(x).double() - exact).norm() / exact.norm()).item() for b in (8, 16)}
+    packed = qblocks.pack_blocks(raw, "Q4_1", (n, k))
+    err = {b: ((qweights.PackedWeight(packed, "Q4_1", (n, k), act_bits=b)(x).double() - exact).norm() / exact.norm()).item() for b in (8, 16)}
     assert err[16] < 1e-4 and err[8] > 50 * err[16], err  # theory: 128x smaller
 
 
@@ -229,10 +229,10 @@ def test_quantize_q8_0_matches_gguf():
     w = torch.randn(33, 96) * 0.05
     w[0, :32] = 0  # an all-zero block
     w[1, 5] = 3.0  # a block with one outlier
-    ours = Q.quantize_q8_0_blocks(w)
+    ours = qblocks.quantize_q8_0_blocks(w)
     theirs = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q8_0).reshape(33, -1).copy())
     assert torch.equal(ours, theirs)
-    pw = Q.quantize_q8_0(w.to(torch.bfloat16))
+    pw = qweights.quantize_q8_0(w.to(torch.bfloat16))
     assert pw.qtype == "Q8_0" and pw.shape == (33, 96)
     x = torch.randn(2, 96)
     check_output(pw(x), x, pw.dequantize())
@@ -248,19 +248,19 @@ def test_linear_routes_small_batches_to_packed():
     lin.bias.data.normal_()
     calls = []
 
-    class Spy(Q.PackedWeight):
+    class Spy(qweights.PackedWeight):
         def __call__(self, x, bias=None, act_bits=0, float32_out=False):
             calls.append((x.shape[0], act_bits))
             return super().__call__(x, bias, act_bits, float32_out)
 
-    spy = Spy(Q.pack_blocks(raw, "Q4_0", (n, k)), "Q4_0", (n, k))
-    assert Q.attach_packed(lin, spy, max_rows=8)
+    spy = Spy(qblocks.pack_blocks(raw, "Q4_0", (n, k)), "Q4_0", (n, k))
+    assert attach.attach_packed(lin, spy, max_rows=8)
     x = torch.randn(8, k)
     check_output(lin(x), x, lin.weight.data, lin.bias.data)
     lin(torch.randn(9, k))
     assert calls == [(8, 0)]
     with pytest.raises(ValueError):
-        Q.attach_packed(Linear(k, n + 1, False, torch.float32), spy)
+        attach.attach_packed(Linear(k, n + 1, False, torch.float32), spy)
 
 
 def test_large_batches_take_int8_activations_when_allowed():
@@ -272,13 +272,13 @@ def test_large_batches_take_int8_activations_when_allowed():
     lin.weight.data.copy_(gguf_dequantize(raw, "Q4_1", (n, k)))
     calls = []
 
-    class Spy(Q.PackedWeight):
+    class Spy(qweights.PackedWeight):
         def __call__(self, x, bias=None, act_bits=0, float32_out=False):
             calls.append((x.shape[0], act_bits))
             return super().__call__(x, bias, act_bits, float32_out)
 
-    assert Q.attach_packed(lin, Spy(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16), large_act_bits=8)
-    assert lin.packed_max_rows == Q.MAX_ROWS_BEFORE_INT8
+    assert attach.attach_packed(lin, Spy(qblocks.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16), large_act_bits=8)
+    assert lin.packed_max_rows == routing.MAX_ROWS_BEFORE_INT8
     small, large = torch.randn(2, k, dtype=torch.bfloat16), torch.randn(300, k, dtype=torch.bfloat16)
     lin(small)
     y = lin(large)
@@ -305,10 +305,10 @@ def test_large_batch_matmul_setting():
 
 def test_default_max_rows_env(monkeypatch):
     monkeypatch.setenv("CPUSERVE_PACKED_MAX_ROWS", "5")
-    assert Q.default_max_rows() == 5
+    assert routing.default_max_rows() == 5
     monkeypatch.delenv("CPUSERVE_PACKED_MAX_ROWS")
-    assert Q.default_max_rows() == Q.DEFAULT_MAX_ROWS == Q.default_max_rows("Q4_0", 16)
-    assert Q.default_max_rows("Q8_0", 16) <= Q.default_max_rows("Q4_1", 16) <= Q.default_max_rows("Q4_1", 8)
+    assert routing.default_max_rows() == routing.DEFAULT_MAX_ROWS == routing.default_max_rows("Q4_0", 16)
+    assert routing.default_max_rows("Q8_0", 16) <= routing.default_max_rows("Q4_1", 16) <= routing.default_max_rows("Q4_1", 8)
 
 
 # ---------------------------------------------------------------- the default model's real tensors
@@ -345,7 +345,7 @@ def test_real_smollm2_tensors(smollm2_reader, isa, bits, m):
     cases.append([_real(smollm2_reader, "token_embd.weight", rows=2000)])  # the tied LM head, Q8_0
     gen = torch.Generator().manual_seed(m)
     for parts in cases:
-        pw = Q.pack_gguf(parts, isa, bits)
+        pw = qweights.pack_gguf(parts, isa, bits)
         assert pw is not None, parts[0].qtype
         w = torch.cat([gguf_dequantize(p.data, p.qtype, p.shape) for p in parts])
         for dtype in (torch.float32, torch.bfloat16):
@@ -356,7 +356,7 @@ def test_real_smollm2_tensors(smollm2_reader, isa, bits, m):
 def test_real_lm_head_full(smollm2_reader):
     lm = _real(smollm2_reader, "token_embd.weight")
     assert lm.qtype == "Q8_0" and lm.shape == (49152, 576)
-    pw = Q.pack_gguf([lm])
+    pw = qweights.pack_gguf([lm])
     assert pw.nbytes == lm.data.numel()  # repacking neither adds nor drops bytes
     w = gguf_dequantize(lm.data, "Q8_0", lm.shape)
     x = torch.randn(2, 576)
@@ -388,9 +388,9 @@ def test_attach_quantizes_dense_models_on_request():
 
     model = _tiny_llama()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert Q.attach_gguf_weights(model, {})["dense"] == len(linears)  # nothing to pack, not opted in
+    assert attach.attach_gguf_weights(model, {})["dense"] == len(linears)  # nothing to pack, not opted in
     assert all(m.packed is None for m in linears)
-    stats = Q.attach_gguf_weights(model, {}, max_rows=4, quantize_dense=True)
+    stats = attach.attach_gguf_weights(model, {}, max_rows=4, quantize_dense=True)
     assert stats["quantized"] == len(linears) == 2 * 4 + 1 and stats["packed"] == 0
     for m in linears:
         assert m.packed.qtype == "Q8_0" and m.packed_max_rows == 4
@@ -416,7 +416,7 @@ def test_attach_packs_gguf_blocks_of_merged_layers():
             dense[key] = gguf_dequantize(tensors[key].data, "Q4_1", (n, k))
     tensors["model.embed_tokens.weight"] = FakeGGUFTensor("Q8_0", random_blocks("Q8_0", vocab, h, seed=99), (vocab, h))
     dense["model.embed_tokens.weight"] = gguf_dequantize(tensors["model.embed_tokens.weight"].data, "Q8_0", (vocab, h))
-    stats = Q.attach_gguf_weights(model, tensors, max_rows=16)
+    stats = attach.attach_gguf_weights(model, tensors, max_rows=16)
     assert stats["packed"] == 2 * 4 + 1 and stats["dense"] == 0
     assert stats["bytes"] == sum(t.data.numel() for t in tensors.values())
     layer = model.layers[1]
@@ -442,7 +442,7 @@ def test_attach_default_model(smollm2_reader):
     lm = load_model("default", torch.bfloat16)
     model = LlamaForCausalLM(lm.config, CacheConfig(), torch.bfloat16, 256)
     model.load_weights(lm.weights)
-    stats = Q.attach_gguf_weights(model, lm.gguf_tensors)
+    stats = attach.attach_gguf_weights(model, lm.gguf_tensors)
     assert stats["packed"] == 30 * 4 + 1 and stats["dense"] == 0 and stats["quantized"] == 0
     assert 85 << 20 < stats["bytes"] < 100 << 20
     for lin in (model.layers[3].self_attn.qkv_proj, model.layers[3].mlp.gate_up_proj, model.lm_head):
@@ -459,7 +459,7 @@ ROWS_ISAS = ["scalar", "avx512-vnni", "amx-int8"]
 
 @pytest.fixture(params=ROWS_ISAS)
 def rows_isa(request):
-    if request.param not in Q.rows_isas():
+    if request.param not in qweights.rows_isas():
         pytest.skip(f"{request.param} not supported on this CPU")
     return request.param
 
@@ -471,16 +471,16 @@ def test_rows_int8_quantization_bounds_and_layout():
     w = torch.randn(37, 96, generator=g)
     w[5] = 0
     w[9] *= 100  # an outlier row has its own scale
-    rw = Q.quantize_rows_int8(w)
+    rw = qweights.quantize_rows_int8(w)
     wd = rw.dequantize()
     assert wd.shape == w.shape
     step = w.abs().amax(1, keepdim=True) / 127
     assert bool(((wd - w).abs() <= step / 2 * (1 + 1e-6)).all())
     assert bool((wd[5] == 0).all())
-    torch.testing.assert_close(Q.quantize_rows_int8(wd).dequantize(), wd, rtol=1e-6, atol=0)
+    torch.testing.assert_close(qweights.quantize_rows_int8(wd).dequantize(), wd, rtol=1e-6, atol=0)
     assert rw.nbytes == 48 * 96 + 4 * 48  # padded to 3 groups of 16 rows
     with pytest.raises(ValueError):
-        Q.quantize_rows_int8(torch.randn(4, 40))
+        qweights.quantize_rows_int8(torch.randn(4, 40))
 
 
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 16, 32, 97])  # AVX-512 tiles 6 rows, AMX 16
@@ -491,7 +491,7 @@ def test_rows_int8_matmul(rows_isa, m, n, dtype):
     per row) by exactly dequantize()'s weights."""
     k = 128
     g = torch.Generator().manual_seed(m * 1000 + n)
-    rw = Q.quantize_rows_int8(torch.randn(n, k, generator=g) * 0.05, rows_isa)
+    rw = qweights.quantize_rows_int8(torch.randn(n, k, generator=g) * 0.05, rows_isa)
     bias = torch.randn(n, generator=g).to(dtype)
     x = (torch.randn(m, k, generator=g) * 3).to(dtype)
     amx = rows_isa == "amx-int8"
@@ -505,24 +505,24 @@ def test_rows_int8_scalar_reference_of_row_activations(m):
     on every host, so that AMX's results have a portable reference (test below)."""
     k, n = 192, 40
     g = torch.Generator().manual_seed(m)
-    rw = Q.quantize_rows_int8(torch.randn(n, k, generator=g) * 0.05)
-    ref = Q.RowInt8Weight(rw.data, rw.scales, rw.shape, "scalar", act_bits=16)
+    rw = qweights.quantize_rows_int8(torch.randn(n, k, generator=g) * 0.05)
+    ref = qweights.RowInt8Weight(rw.data, rw.scales, rw.shape, "scalar", act_bits=16)
     bias = torch.randn(n, generator=g)
     x = torch.randn(m, k, generator=g) * 3
     x[0, :64] *= 50  # one row's outliers set that whole row's step
     check_output(ref(x, bias), x, rw.dequantize(), bias, bits=16, per_row=True)
-    narrow = Q.quantize_rows_int8(torch.randn(n, 96, generator=g))  # 96 = one and a half 64-chunks
+    narrow = qweights.quantize_rows_int8(torch.randn(n, 96, generator=g))  # 96 = one and a half 64-chunks
     with pytest.raises(RuntimeError, match="divisible by 64"):
-        Q.RowInt8Weight(narrow.data, narrow.scales, narrow.shape, "scalar", act_bits=16)(x[:, :96])
+        qweights.RowInt8Weight(narrow.data, narrow.scales, narrow.shape, "scalar", act_bits=16)(x[:, :96])
 
 
 def test_rows_int8_paths_agree_and_take_views():
-    if "avx512-vnni" not in Q.rows_isas():
+    if "avx512-vnni" not in qweights.rows_isas():
         pytest.skip("avx512-vnni not supported on this CPU")
     g = torch.Generator().manual_seed(7)
     w = torch.randn(200, 576, generator=g) * 0.05
     x = torch.randn(3, 40, 576, generator=g)[:, ::2]  # strided 3-D input
-    fast, ref = Q.quantize_rows_int8(w, "avx512-vnni"), Q.quantize_rows_int8(w, "scalar")
+    fast, ref = qweights.quantize_rows_int8(w, "avx512-vnni"), qweights.quantize_rows_int8(w, "scalar")
     y = fast(x)
     assert y.shape == (3, 20, 200)
     torch.testing.assert_close(y, ref(x), atol=1e-5, rtol=1e-5)  # same integer sums and float steps
@@ -535,11 +535,11 @@ def test_rows_int8_amx_gives_the_scalar_bits(k, n):
     """The AMX tiles compute the scalar reference's integer sums (act_bits=16) and the same float
     steps: every batch size through full 16-row tiles and every tail, bf16 and float32, with bias,
     rows of different scales; and 8-bit activations are refused rather than run differently."""
-    if "amx-int8" not in Q.rows_isas():
+    if "amx-int8" not in qweights.rows_isas():
         pytest.skip("amx-int8 not supported on this CPU")
     g = torch.Generator().manual_seed(k + n)
-    amx = Q.quantize_rows_int8(torch.randn(n, k, generator=g) * 0.05, "amx-int8")
-    ref = Q.RowInt8Weight(amx.data, amx.scales, amx.shape, "scalar", act_bits=16)
+    amx = qweights.quantize_rows_int8(torch.randn(n, k, generator=g) * 0.05, "amx-int8")
+    ref = qweights.RowInt8Weight(amx.data, amx.scales, amx.shape, "scalar", act_bits=16)
     bias = torch.randn(n, generator=g)
     for m in list(range(1, 34)) + [47, 64, 200]:
         x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]
@@ -548,7 +548,7 @@ def test_rows_int8_amx_gives_the_scalar_bits(k, n):
             torch.testing.assert_close(amx(xd, bd), ref(xd, bd), atol=0, rtol=0)
         torch.testing.assert_close(amx(x, float32_out=True), ref(x, float32_out=True), atol=0, rtol=0)
     with pytest.raises(RuntimeError, match="amx-int8 takes 16-bit"):
-        Q.RowInt8Weight(amx.data, amx.scales, amx.shape, "amx-int8", act_bits=8)(torch.randn(2, k))
+        qweights.RowInt8Weight(amx.data, amx.scales, amx.shape, "amx-int8", act_bits=8)(torch.randn(2, k))
 
 
 @pytest.mark.parametrize("k", [96, 65536 + 64])
@@ -556,22 +556,22 @@ def test_rows_int8_best_path_serves_widths_amx_cannot(k):
     """AMX multiplies 64-k chunks and sums whole rows in int32: a width of 32 * odd, or one past
     65536, goes to the AVX-512 kernel on the default path (same bits as asking for it), and asking
     for AMX by name says why it cannot."""
-    if "amx-int8" not in Q.rows_isas():
+    if "amx-int8" not in qweights.rows_isas():
         pytest.skip("amx-int8 not supported on this CPU")
     g = torch.Generator().manual_seed(5)
-    rw = Q.quantize_rows_int8(torch.randn(48, k, generator=g) * 0.05)
+    rw = qweights.quantize_rows_int8(torch.randn(48, k, generator=g) * 0.05)
     x = torch.randn(20, k, generator=g)
-    vnni = Q.RowInt8Weight(rw.data, rw.scales, rw.shape, "avx512-vnni")
+    vnni = qweights.RowInt8Weight(rw.data, rw.scales, rw.shape, "avx512-vnni")
     torch.testing.assert_close(rw(x), vnni(x), atol=0, rtol=0)
     with pytest.raises(RuntimeError, match="divisible by 64 and at most 65536"):
-        Q.RowInt8Weight(rw.data, rw.scales, rw.shape, "amx-int8")(x)
+        qweights.RowInt8Weight(rw.data, rw.scales, rw.shape, "amx-int8")(x)
 
 
 def test_block_kernel_refuses_the_amx_path():
     """amx-int8 is a row-int8 path: the block kernels say so instead of running something else."""
-    if "amx-int8" not in Q.rows_isas():
+    if "amx-int8" not in qweights.rows_isas():
         pytest.skip("amx-int8 not supported on this CPU")
-    pw = Q.quantize_q8_0(torch.randn(32, 64), "amx-int8")
+    pw = qweights.quantize_q8_0(torch.randn(32, 64), "amx-int8")
     with pytest.raises(RuntimeError, match="row-int8 weights only"):
         pw(torch.randn(2, 64))
 
@@ -584,8 +584,8 @@ def test_rows_int8_copy_is_bit_identical_to_the_torch_definition(qtype):
     n, k = 37, 160
     raw = random_blocks(qtype, n, k, seed=3)
     raw[5] = 0  # every block's scale 0: the row dequantizes to zeros
-    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k))
-    fast, ref = Q.rows_int8_from(pw), Q.quantize_rows_int8(pw.dequantize())
+    pw = qweights.PackedWeight(qblocks.pack_blocks(raw, qtype, (n, k)), qtype, (n, k))
+    fast, ref = qweights.rows_int8_from(pw), qweights.quantize_rows_int8(pw.dequantize())
     assert fast.shape == ref.shape == (n, k)
     assert torch.equal(fast.scales, ref.scales) and fast.scales[5] == 0
     assert torch.equal(fast.data, ref.data)
@@ -613,7 +613,7 @@ def test_rows_int8_argmax_is_the_products_first_maximum(rows_isa, m, n, k):
     g = torch.Generator().manual_seed(m * 7 + n)
     w = torch.randn(n, k, generator=g) * 0.05
     w[n - 2] = w[3] = w[1] * 1.5  # rows 1 and 3 / n - 2 differ; 3 and n - 2 are equal (the first wins)
-    rw = Q.quantize_rows_int8(w, rows_isa)
+    rw = qweights.quantize_rows_int8(w, rows_isa)
     x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
     x[0] = 0
     if m > 1:
@@ -624,7 +624,7 @@ def test_rows_int8_argmax_is_the_products_first_maximum(rows_isa, m, n, k):
 def test_rows_int8_argmax_declines_nan(rows_isa):
     """A NaN among the products (here from the bias) leaves the choice to the caller, which then
     takes the logits and torch.argmax's rule for NaN."""
-    rw = Q.quantize_rows_int8(torch.randn(64, 64) * 0.05, rows_isa)
+    rw = qweights.quantize_rows_int8(torch.randn(64, 64) * 0.05, rows_isa)
     x = torch.randn(8, 64)
     bias = torch.zeros(64)
     assert rw.argmax(x, bias) is not None
@@ -643,7 +643,7 @@ def test_packed_argmax_is_the_products_first_maximum(isa, bits, qtype, m, n, k):
     activation row makes every column tie)."""
     raw = random_blocks(qtype, n, k, seed=m * 7 + n)
     raw[3] = raw[n - 2] = random_blocks(qtype, 1, k, seed=1, scale=0.2)[0]  # ten times the others' scale
-    pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
+    pw = qweights.PackedWeight(qblocks.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
     g = torch.Generator().manual_seed(m)
     x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
     x[0] = 0
@@ -664,9 +664,9 @@ def test_linear_argmax_follows_forwards_route():
     lin = Linear(k, n, bias=False, dtype=torch.bfloat16)
     lin.weight.data.copy_(gguf_dequantize(raw, "Q4_1", (n, k)))
     assert lin.argmax(torch.randn(1, k, dtype=torch.bfloat16)) is None  # dense weights: the caller takes the logits
-    pw = Q.PackedWeight(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16)
-    assert Q.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
-    for m in (1, Q.MAX_ROWS_BEFORE_INT8 + 1, lin.rows_int8_min_rows - 1, lin.rows_int8_min_rows, 64):
+    pw = qweights.PackedWeight(qblocks.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16)
+    assert attach.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
+    for m in (1, routing.MAX_ROWS_BEFORE_INT8 + 1, lin.rows_int8_min_rows - 1, lin.rows_int8_min_rows, 64):
         x = torch.randn(m, k, dtype=torch.bfloat16)
         torch.testing.assert_close(lin.argmax(x), lin(x, float32_out=True).argmax(-1), atol=0, rtol=0, msg=f"{m} rows")
 
@@ -680,14 +680,14 @@ def test_linear_routes_large_batches_to_rows_int8():
     lin = Linear(k, n, bias=True, dtype=torch.bfloat16)
     lin.weight.data.copy_(gguf_dequantize(raw, "Q4_1", (n, k)))
     lin.bias.data.normal_()
-    pw = Q.PackedWeight(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16)
-    assert Q.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
-    min_rows = Q.ROWS_INT8_MIN_ROWS["Q4"]
+    pw = qweights.PackedWeight(qblocks.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), act_bits=16)
+    assert attach.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
+    min_rows = routing.ROWS_INT8_MIN_ROWS["Q4"]
     assert lin.rows_int8 is not None and lin.rows_int8_min_rows == min_rows
-    torch.testing.assert_close(lin.rows_int8.dequantize(), Q.quantize_rows_int8(pw.dequantize()).dequantize())
-    for m in (Q.MAX_ROWS_BEFORE_INT8, Q.MAX_ROWS_BEFORE_INT8 + 1, min_rows - 1, min_rows, 300):
+    torch.testing.assert_close(lin.rows_int8.dequantize(), qweights.quantize_rows_int8(pw.dequantize()).dequantize())
+    for m in (routing.MAX_ROWS_BEFORE_INT8, routing.MAX_ROWS_BEFORE_INT8 + 1, min_rows - 1, min_rows, 300):
         x = torch.randn(m, k, dtype=torch.bfloat16)
-        if m <= Q.MAX_ROWS_BEFORE_INT8:
+        if m <= routing.MAX_ROWS_BEFORE_INT8:
             want = pw(x, lin.bias)
         elif m < min_rows:
             want = pw(x, lin.bias, 8)
@@ -696,7 +696,7 @@ def test_linear_routes_large_batches_to_rows_int8():
         torch.testing.assert_close(lin(x), want, atol=0, rtol=0, msg=f"{m} rows")
     # without large_act_bits there is no copy: large batches stay dense
     plain = Linear(k, n, bias=False, dtype=torch.bfloat16)
-    assert Q.attach_packed(plain, pw, rows_int8=True)
+    assert attach.attach_packed(plain, pw, rows_int8=True)
     assert plain.rows_int8 is None
 
 
@@ -709,49 +709,49 @@ def test_rows_int8_switch_is_timed_per_host(monkeypatch):
     def linear(qtype, rows_int8=True):
         raw = random_blocks(qtype, n, k)
         lin = Linear(k, n, bias=False, dtype=torch.bfloat16)
-        pw = Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), act_bits=16)
-        assert Q.attach_packed(lin, pw, large_act_bits=8 if rows_int8 else 0, rows_int8=rows_int8)
+        pw = qweights.PackedWeight(qblocks.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), act_bits=16)
+        assert attach.attach_packed(lin, pw, large_act_bits=8 if rows_int8 else 0, rows_int8=rows_int8)
         return lin
 
     q4a, q4b, q8, plain = linear("Q4_1"), linear("Q4_0"), linear("Q8_0"), linear("Q4_1", rows_int8=False)
     monkeypatch.setenv("CPUSERVE_ROWS_INT8_MIN_ROWS", "12")
-    assert Q.tune_rows_int8_min_rows(nn.ModuleList([q4a, q4b, q8, plain])) == 12
+    assert routing.tune_rows_int8_min_rows(nn.ModuleList([q4a, q4b, q8, plain])) == 12
     assert (q4a.rows_int8_min_rows, q4b.rows_int8_min_rows) == (12, 12)
-    assert q8.rows_int8_min_rows == Q.ROWS_INT8_MIN_ROWS["Q8"] and plain.rows_int8 is None
+    assert q8.rows_int8_min_rows == routing.ROWS_INT8_MIN_ROWS["Q8"] and plain.rows_int8 is None
     monkeypatch.delenv("CPUSERVE_ROWS_INT8_MIN_ROWS")
-    chosen = Q.tune_rows_int8_min_rows(nn.ModuleList([q4a, q4b, q8, plain]), passes=1)
-    assert chosen in Q.ROWS_INT8_CANDIDATES
+    chosen = routing.tune_rows_int8_min_rows(nn.ModuleList([q4a, q4b, q8, plain]), passes=1)
+    assert chosen in routing.ROWS_INT8_CANDIDATES
     assert (q4a.rows_int8_min_rows, q4b.rows_int8_min_rows) == (chosen, chosen)
     x = torch.randn(chosen, k, dtype=torch.bfloat16)
     torch.testing.assert_close(q4a(x), q4a.rows_int8(x, None), atol=0, rtol=0)
     x = torch.randn(chosen - 1, k, dtype=torch.bfloat16)
     torch.testing.assert_close(q4a(x), q4a.packed(x, None, 8), atol=0, rtol=0)
-    assert Q.tune_rows_int8_min_rows(nn.ModuleList([q8, plain])) is None
+    assert routing.tune_rows_int8_min_rows(nn.ModuleList([q8, plain])) is None
     monkeypatch.setenv("CPUSERVE_ROWS_INT8_MIN_ROWS", "lots")
     with pytest.raises(ValueError, match="CPUSERVE_ROWS_INT8_MIN_ROWS='lots'"):
-        Q.tune_rows_int8_min_rows(nn.ModuleList([q4a]))
+        routing.tune_rows_int8_min_rows(nn.ModuleList([q4a]))
 
 
 def test_rows_int8_switch_prefers_the_blocks_on_near_ties():
     """The least total time wins, but switches within ROWS_INT8_TIE of it are tied and the most
     rows (the more accurate block kernel for more batch sizes) takes the tie."""
-    sizes = Q.ROWS_INT8_CANDIDATES
+    sizes = routing.ROWS_INT8_CANDIDATES
 
     def timings(rows_speedup: dict[int, float]) -> dict[tuple[int, str], float]:
         best = {(m, "blocks"): float(m) for m in sizes}
         best.update({(m, "rows"): m / rows_speedup.get(m, 1.0) for m in sizes})
         return best
 
-    assert Q.choose_rows_int8_switch(timings({m: 2.0 for m in sizes})) == sizes[0]  # copies win everywhere
-    assert Q.choose_rows_int8_switch(timings({m: 0.5 for m in sizes})) == sizes[-1]  # blocks win everywhere
+    assert routing.choose_rows_int8_switch(timings({m: 2.0 for m in sizes})) == sizes[0]  # copies win everywhere
+    assert routing.choose_rows_int8_switch(timings({m: 0.5 for m in sizes})) == sizes[-1]  # blocks win everywhere
     # the copies 1.5x faster from 12 rows on, equal below: 6, 8 and 12 tie, 12 takes it; 16 is slower
-    assert Q.choose_rows_int8_switch(timings({12: 1.5, 16: 1.5, 20: 1.5})) == 12
+    assert routing.choose_rows_int8_switch(timings({12: 1.5, 16: 1.5, 20: 1.5})) == 12
     # 0.5% of the total faster at 8 rows: a tie, kept on the blocks
     small = {8: 8 / (8 - 0.005 * sum(sizes))}
-    assert Q.choose_rows_int8_switch(timings(small)) == sizes[-1]
+    assert routing.choose_rows_int8_switch(timings(small)) == sizes[-1]
     # 1.5% of the total faster at each of 6 and 8 rows: switch 6 beats 8 by more than the tie
     big = {6: 6 / (6 - 0.015 * sum(sizes)), 8: 8 / (8 - 0.015 * sum(sizes))}
-    assert Q.choose_rows_int8_switch(timings(big)) == 6
+    assert routing.choose_rows_int8_switch(timings(big)) == 6
 
 
 @pytest.mark.parametrize("m", [1, 3, 25])  # the packed kernel at 16-bit, at 8-bit activations; row-int8
@@ -763,10 +763,10 @@ def test_float32_out_is_the_unrounded_result(isa, m):
     lin = Linear(k, n, bias=True, dtype=torch.bfloat16)
     lin.weight.data.copy_(gguf_dequantize(raw, "Q4_1", (n, k)))
     lin.bias.data.normal_()
-    pw = Q.PackedWeight(Q.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), isa, act_bits=16)
+    pw = qweights.PackedWeight(qblocks.pack_blocks(raw, "Q4_1", (n, k)), "Q4_1", (n, k), isa, act_bits=16)
     rows_isa = "avx512-vnni" if isa == "avx512-vnni" else "scalar"
-    assert Q.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
-    lin.rows_int8 = Q.quantize_rows_int8(pw.dequantize(), rows_isa)
+    assert attach.attach_packed(lin, pw, large_act_bits=8, rows_int8=True)
+    lin.rows_int8 = qweights.quantize_rows_int8(pw.dequantize(), rows_isa)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     y16, y32 = lin(x), lin(x, float32_out=True)
     assert y16.dtype == torch.bfloat16 and y32.dtype == torch.float32
@@ -801,7 +801,7 @@ def test_engine_builds_row_int8_copies_by_default(smollm2_reader):
 
     packed, rows, dense, blocks = copies(EngineConfig(model="default", cache=CacheConfig(num_blocks=16)))
     assert packed == 4 * 30 + 1 and dense == 0 and blocks
-    assert rows == (packed if Q.rows_int8_fast() else 0)
+    assert rows == (packed if qweights.rows_int8_fast() else 0)
     assert copies(EngineConfig(model="default", large_batch_matmul="int8", cache=CacheConfig(num_blocks=16)))[1:] == (0, 0, True)
     assert copies(EngineConfig(model="default", dtype="float32", cache=CacheConfig(num_blocks=16)))[1:] == (0, packed, False)
 
@@ -810,7 +810,7 @@ def test_engine_builds_row_int8_copies_by_default(smollm2_reader):
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_work_spans_run_every_unit_once(units, threads):
     """The matmuls' parallel split (engine/csrc/work_spans.h): every weight group computed once."""
-    runs, owner = Q._native().work_spans_trace(units, threads)
+    runs, owner = qweights._native().work_spans_trace(units, threads)
     assert runs.tolist() == [1] * units
     assert set(owner.tolist()) <= set(range(threads))
 
@@ -821,7 +821,7 @@ def test_work_spans_others_take_a_stalled_threads_units(threads):
     from the back of its span, instead of holding up the whole product."""
     units, stalled = 400, 1
     span = range(units * stalled // threads, units * (stalled + 1) // threads)
-    runs, owner = Q._native().work_spans_trace(units, threads, stalled_thread=stalled, stall_us=300_000, unit_us=20)
+    runs, owner = qweights._native().work_spans_trace(units, threads, stalled_thread=stalled, stall_us=300_000, unit_us=20)
     assert runs.tolist() == [1] * units
     taken = [u for u in span if owner[u] != stalled]
     assert len(taken) >= len(span) // 2, owner.tolist()

@@ -12,10 +12,9 @@ import torch
 from test_qlinear import FakeGGUFTensor, assert_first_maximum, bits, check_output, gguf_dequantize, isa  # noqa: F401
 from tiny_models import make_tiny_gguf
 
-from engine.layers import gguf_blocks
-from engine.layers import quant as Q
+from engine.quant import blocks as qblocks, weights as qweights
 
-pytestmark = pytest.mark.skipif(not Q.native_available(), reason="native extension unavailable")
+pytestmark = pytest.mark.skipif(not qweights.native_available(), reason="native extension unavailable")
 
 NEW_QTYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -24,16 +23,16 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0, scale: float = 0.00
     """Random GGUF blocks [n, bytes per row]: every quant, scale and min byte value, finite fp16 d
     (and Q5_1's m / the K types' dmin) around `scale`."""
     g = torch.Generator().manual_seed(seed)
-    bw, bb = gguf_blocks.GGUF_BLOCKS[qtype]
+    bw, bb = qblocks.GGUF_BLOCKS[qtype]
     raw = torch.randint(0, 256, (n, k // bw, bb), dtype=torch.uint8, generator=g)
-    for at in gguf_blocks.FP16_AT[qtype]:
+    for at in qblocks.FP16_AT[qtype]:
         f = (torch.rand(n, k // bw, 1, generator=g) * scale + scale / 10).half()
         raw[..., at : at + 2] = f.view(torch.uint8)
     return raw.reshape(n, -1)
 
 
-def packed(raw: torch.Tensor, qtype: str, n: int, k: int, isa_name=None, act_bits=None) -> Q.PackedWeight:
-    return Q.PackedWeight(Q.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa_name, act_bits)
+def packed(raw: torch.Tensor, qtype: str, n: int, k: int, isa_name=None, act_bits=None) -> qweights.PackedWeight:
+    return qweights.PackedWeight(qblocks.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa_name, act_bits)
 
 
 @pytest.mark.parametrize("qtype", NEW_QTYPES)
@@ -42,13 +41,13 @@ def test_layout_roundtrip_and_dequantize(qtype):
     Q5_K: 1/32 more, their 6-bit scales and mins unpacked to a byte); dequantize is gguf's."""
     n, k = 37, 512
     raw = random_blocks(qtype, n, k, seed=1)
-    data = Q.pack_blocks(raw, qtype, (n, k))
-    assert data.numel() == 3 * (k // 32) * Q.GROUP_BLOCK_BYTES[qtype]  # 37 rows -> 3 groups of 16
+    data = qblocks.pack_blocks(raw, qtype, (n, k))
+    assert data.numel() == 3 * (k // 32) * qblocks.GROUP_BLOCK_BYTES[qtype]  # 37 rows -> 3 groups of 16
     file_bytes = 48 * raw.shape[1]
     assert file_bytes <= data.numel() <= file_bytes * 1.03
-    assert torch.equal(Q.unpack_blocks(data, qtype, (n, k)), raw)
+    assert torch.equal(qblocks.unpack_blocks(data, qtype, (n, k)), raw)
     assert torch.equal(packed(raw, qtype, n, k).to_gguf_blocks(), raw)
-    assert torch.equal(Q.dequantize_blocks(raw, qtype, (n, k)), gguf_dequantize(raw, qtype, (n, k)))
+    assert torch.equal(qblocks.dequantize_blocks(raw, qtype, (n, k)), gguf_dequantize(raw, qtype, (n, k)))
 
 
 @pytest.mark.parametrize("qtype", NEW_QTYPES)
@@ -72,7 +71,7 @@ def test_every_path_agrees_with_the_scalar_reference(qtype):
     raw = random_blocks(qtype, n, k, seed=4)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
     ref = packed(raw, qtype, n, k, "scalar")(x)
-    for name in Q.available_isas():
+    for name in qweights.available_isas():
         torch.testing.assert_close(packed(raw, qtype, n, k, name)(x), ref, atol=1e-5, rtol=1e-5, msg=name)
 
 
@@ -116,20 +115,20 @@ def test_rows_int8_copy_is_quantize_rows_int8_of_the_dequantized_blocks(qtype):
     raw = random_blocks(qtype, n, k, seed=3)
     raw[5] = 0  # every scale 0: the row dequantizes to zeros
     pw = packed(raw, qtype, n, k)
-    fast, ref = Q.rows_int8_from(pw), Q.quantize_rows_int8(gguf_dequantize(raw, qtype, (n, k)))
+    fast, ref = qweights.rows_int8_from(pw), qweights.quantize_rows_int8(gguf_dequantize(raw, qtype, (n, k)))
     assert torch.equal(fast.scales, ref.scales) and fast.scales[5] == 0
     assert torch.equal(fast.data, ref.data)
 
 
 def test_pack_gguf_needs_whole_k_super_blocks_and_says_why_not():
     t = FakeGGUFTensor("Q4_K", random_blocks("Q4_K", 32, 256), (32, 256))
-    assert isinstance(Q.pack_gguf([t]), Q.PackedWeight)
+    assert isinstance(qweights.pack_gguf([t]), qweights.PackedWeight)
     q5 = FakeGGUFTensor("Q5_0", random_blocks("Q5_0", 32, 576), (32, 576))  # a 576-wide fallback tensor
-    assert Q.pack_gguf([q5]).qtype == "Q5_0"
+    assert qweights.pack_gguf([q5]).qtype == "Q5_0"
     odd = FakeGGUFTensor("Q6_K", torch.zeros(16, 3 * 210, dtype=torch.uint8), (16, 640))
-    assert Q.pack_gguf([odd]) is None and "divisible by 256" in Q.packing_refusal([odd])
+    assert qweights.pack_gguf([odd]) is None and "divisible by 256" in qweights.packing_refusal([odd])
     q3 = FakeGGUFTensor("Q3_K", torch.zeros(16, 110, dtype=torch.uint8), (16, 256))
-    assert Q.pack_gguf([q3]) is None and Q.packing_refusal([q3]) == "Q3_K has no packed kernel"
+    assert qweights.pack_gguf([q3]) is None and qweights.packing_refusal([q3]) == "Q3_K has no packed kernel"
 
 
 @pytest.mark.parametrize("m", [1, 40])
@@ -139,16 +138,16 @@ def test_mixed_qtype_merges_stack_their_parts(m):
     k = 256
     parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)]
     ts = [FakeGGUFTensor(q, random_blocks(q, rows, k, seed=i), (rows, k)) for i, (q, rows) in enumerate(parts)]
-    pw = Q.pack_gguf(ts)
-    assert isinstance(pw, Q.PackedParts) and [p.qtype for p in pw.parts] == ["Q4_K", "Q6_K"]
+    pw = qweights.pack_gguf(ts)
+    assert isinstance(pw, qweights.PackedParts) and [p.qtype for p in pw.parts] == ["Q4_K", "Q6_K"]
     assert pw.shape == (128, k) and pw.qtype == "Q4_K"
     w = torch.cat([gguf_dequantize(t.data, t.qtype, t.shape) for t in ts])
     assert torch.equal(pw.dequantize(), w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(128)
     check_output(pw(x, bias), x, w, bias)
-    rows = Q.rows_int8_from(pw)
-    ref = Q.quantize_rows_int8(w)
+    rows = qweights.rows_int8_from(pw)
+    ref = qweights.quantize_rows_int8(w)
     assert torch.equal(rows.data, ref.data) and torch.equal(rows.scales, ref.scales)
 
 
@@ -177,7 +176,7 @@ def test_k_quant_model_runs_packed_and_generates_the_dense_models_tokens(tmp_pat
                 out.setdefault(d.request_id, []).extend(d.new_token_ids)
         return engine, out
 
-    with caplog.at_level(logging.INFO, logger="engine.engine"):
+    with caplog.at_level(logging.INFO, logger="engine.quant.attach"):
         engine, got = generate("auto")
     from engine.layers.linear import Linear
 
@@ -186,8 +185,8 @@ def test_k_quant_model_runs_packed_and_generates_the_dense_models_tokens(tmp_pat
     assert not dense, dense
     assert not any("dense projections" in r.getMessage() for r in caplog.records)
     if mix.endswith("_M"):
-        assert isinstance(linears["lm_head"].packed, Q.PackedWeight) and linears["lm_head"].packed.qtype == "Q6_K"
-        assert isinstance(linears["layers.0.self_attn.qkv_proj"].packed, Q.PackedParts)
+        assert isinstance(linears["lm_head"].packed, qweights.PackedWeight) and linears["lm_head"].packed.qtype == "Q6_K"
+        assert isinstance(linears["layers.0.self_attn.qkv_proj"].packed, qweights.PackedParts)
     _, want = generate("none")
     assert got == want and all(len(v) == 16 for v in got.values())
 
@@ -200,7 +199,7 @@ def test_dense_projections_are_logged_with_their_reason(tmp_path, caplog):
     from engine.engine import LLMEngine
 
     path = str(make_tiny_gguf(tmp_path, "llama", "Q3_K"))
-    with caplog.at_level(logging.INFO, logger="engine.engine"):
+    with caplog.at_level(logging.INFO, logger="engine.quant.attach"):
         LLMEngine(EngineConfig(model=path, dtype="float32", cache=CacheConfig(num_blocks=16)))
     line = next(r.getMessage() for r in caplog.records if "dense projections" in r.getMessage())
     assert "self_attn.qkv_proj in 2 layers (Q3_K 256x256, Q3_K 128x256, Q3_K 128x256: Q3_K has no packed kernel)" in line

@@ -15,14 +15,14 @@ import torch
 from engine import engine as engine_module
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.layers import quant as Q
+from engine.quant import routing, weights as qweights
 from engine.layers.embedding import BlockEmbedding
 from engine.layers.linear import Linear
 from engine.loader import load_model
 from engine.request import SamplingParams
 from tiny_models import make_tiny_gguf
 
-needs_native = pytest.mark.skipif(not Q.native_available(), reason="no native extension")
+needs_native = pytest.mark.skipif(not qweights.native_available(), reason="no native extension")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 90], [200, 3, 3, 41, 7, 120, 64], [11]]
 
@@ -138,21 +138,21 @@ def test_weight_quant_none_and_dense_large_batches_keep_dense_weights(tmp_path):
 
 def test_rows_int8_decision_says_why():
     mib = 2**20
-    assert Q.rows_int8_decision(129 * mib, 256 * mib) == (True, "on (129 MiB, within the 256 MiB budget of --rows-int8-budget-gb)")
-    on, why = Q.rows_int8_decision(929 * mib, 256 * mib)
+    assert routing.rows_int8_decision(129 * mib, 256 * mib) == (True, "on (129 MiB, within the 256 MiB budget of --rows-int8-budget-gb)")
+    on, why = routing.rows_int8_decision(929 * mib, 256 * mib)
     assert not on and why.startswith("off: they would take 929 MiB, over the 256 MiB budget")
-    assert Q.rows_int8_decision(929 * mib, None) == (True, "on (929 MiB): --large-batch-matmul int8_rows")
+    assert routing.rows_int8_decision(929 * mib, None) == (True, "on (929 MiB): --large-batch-matmul int8_rows")
 
 
 @needs_native
-@pytest.mark.skipif(not Q.rows_int8_fast(), reason="row-int8 copies need AVX-512 VNNI or AMX")
+@pytest.mark.skipif(not qweights.rows_int8_fast(), reason="row-int8 copies need AVX-512 VNNI or AMX")
 def test_row_int8_copies_fit_their_budget(caplog):
     """The default model's copies (129 MiB) fit the default budget; under a smaller one they are not
     made, and the start-up log says so with their size; int8_rows makes them whatever the budget."""
 
     def build(**kwargs) -> tuple[LLMEngine, list[str]]:  # noqa: ANN003
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="engine.engine"):
+        with caplog.at_level(logging.INFO, logger="engine.quant.attach"):
             eng = LLMEngine(EngineConfig(model="default", cache=CacheConfig(num_blocks=16), **kwargs))
         return eng, [r.getMessage() for r in caplog.records if "row-int8 weight copies" in r.getMessage()]
 
@@ -163,8 +163,8 @@ def test_row_int8_copies_fit_their_budget(caplog):
     made = copies(eng)
     assert all(c is not None for c in made)
     size = sum(c.nbytes for c in made)
-    assert Q.rows_int8_bytes(eng.runner.model) == size
-    assert lines == [f"row-int8 weight copies for large batches: {Q.rows_int8_decision(size, 2**28)[1]}"]
+    assert routing.rows_int8_bytes(eng.runner.model) == size
+    assert lines == [f"row-int8 weight copies for large batches: {routing.rows_int8_decision(size, 2**28)[1]}"]
     assert "within the 256 MiB budget" in lines[0]
 
     eng, lines = build(rows_int8_budget_gb=0.01)

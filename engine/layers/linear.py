@@ -24,13 +24,13 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        # Set by engine.layers.quant.attach_packed(); when it serves every batch size the engine
+        # Set by engine.quant.attach.attach_packed(); when it serves every batch size the engine
         # frees the dense weight (quant.release_dense_weights: an empty [0, in_features] tensor).
         self.packed: Optional[Any] = None
         self.packed_max_rows = 0
         self.large_act_bits = 0  # > 0: batches above packed_max_rows also go to the packed kernel
         # Set with large_act_bits by attach_packed: a row-scaled int8 copy for batches of at least
-        # rows_int8_min_rows rows (engine.layers.quant.RowInt8Weight).
+        # rows_int8_min_rows rows (engine.quant.weights.RowInt8Weight).
         self.rows_int8: Optional[Any] = None
         self.rows_int8_min_rows = 0
 

@@ -124,7 +124,7 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         projs = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         model_dtype = attn.qkv_proj.weight.dtype in (torch.bfloat16, torch.float32)  # the fused ops' dtypes
-        from engine.layers.quant import PackedWeight
+        from engine.quant.weights import PackedWeight
 
         # single packed weights only (PackedParts, mixed qtypes, run the modular path)
         if mod is None or not model_dtype or any(not isinstance(p.packed, PackedWeight) for p in projs):
@@ -252,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors in, merging q/k/v and gate/up into one matmul each.
 
         ``absent``: HF names the caller knowingly leaves out because it serves them another way
-        (GGUF blocks: engine.layers.quant.dense_free_weights); their parameters stay uninitialised,
+        (GGUF blocks: engine.quant.attach.dense_free_weights); their parameters stay uninitialised,
         for the caller to replace.  Any other missing weight is an error.
         """
         params = dict(self.named_parameters())

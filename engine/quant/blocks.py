@@ -1,6 +1,10 @@
 """GGUF quant blocks <-> the packed kernel layout of ``engine/csrc/qlinear.h``, for every block type
 with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
+The layout: groups of 16 output rows, each a sequential run of "group-blocks" whose quants are
+interleaved in 4-byte words so that one vector instruction advances 16 rows at once; the last
+group is padded with zero rows.
+
 Both directions go through one neutral form, "units": each weight's unsigned integer quant
 (uint8 [N, K]; Q8_0's q + 128) and the per-block fields as the file holds them (fp16 scales as
 raw bytes, the K types' 6-bit scales and mins one byte each).  :func:`decode` / :func:`encode`
@@ -12,6 +16,8 @@ rounded: the packed weights dequantize to exactly the file's values.
 from __future__ import annotations
 
 import torch
+
+from engine.loader.gguf import dequantize_rows
 
 GROUP_ROWS = 16
 BLOCK = 32
@@ -25,6 +31,7 @@ GGUF_BLOCKS = {
     "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
 }
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+BLOCK_BYTES = {q: b for q, (w, b) in GGUF_BLOCKS.items() if w == BLOCK}  # GGUF bytes per 32 weights (32-weight types)
 # Byte offsets of each GGUF block's fp16 fields (d, and m / dmin): with any bytes elsewhere a block
 # is valid, which is how tests and benchmarks make random ones.
 FP16_AT = {
@@ -52,6 +59,9 @@ def group_block_bytes(qtype: str) -> int:
 def block_weights(qtype: str) -> int:
     """in_features must be a multiple of this (a GGUF block)."""
     return GGUF_BLOCKS[qtype][0]
+
+
+GROUP_BLOCK_BYTES = {q: group_block_bytes(q) for q in QTYPE_IDS}
 
 
 # ---------------------------------------------------------------- GGUF bytes <-> units
@@ -276,3 +286,53 @@ def unpack_units(data: torch.Tensor, qtype: str, rows: int, k: int) -> tuple[tor
     if qp:
         q = q | _unplane(deinterleave_rows(blocks[..., qn * GROUP_ROWS :].contiguous()).reshape(rows, nb, qp), qtype)
     return q.reshape(rows, k), fields
+
+
+# ---------------------------------------------------------------- whole tensors
+
+
+def pack_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    """GGUF blocks uint8 [N, bytes_per_row] -> the kernel's flat uint8 layout (see qlinear.h)."""
+    n, k = shape
+    bw, bb = GGUF_BLOCKS[qtype]
+    if k % bw or raw.dtype != torch.uint8 or tuple(raw.shape) != (n, k // bw * bb):
+        raise ValueError(f"{qtype} blocks for shape {shape} must be uint8 [{n}, {k // bw * bb}], got {tuple(raw.shape)}")
+    groups = -(-n // GROUP_ROWS)
+    if groups * GROUP_ROWS != n:
+        raw = torch.cat([raw, raw.new_zeros(groups * GROUP_ROWS - n, raw.shape[1])])
+    q, fields = decode(raw, qtype, k)
+    return pack_units(q, fields, qtype)
+
+
+def unpack_blocks(data: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    """Inverse of :func:`pack_blocks`: uint8 [N, bytes_per_row] GGUF blocks."""
+    n, k = shape
+    groups = -(-n // GROUP_ROWS)
+    q, fields = unpack_units(data, qtype, groups * GROUP_ROWS, k)
+    return encode(q, fields, qtype)[:n].contiguous()
+
+
+def dequantize_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    """GGUF blocks uint8 [N, bytes_per_row] -> float32 [N, K], bit-identical to gguf.quants (the
+    loader's dequantization, :func:`engine.loader.gguf.dequantize_rows`)."""
+    return dequantize_rows(raw.contiguous(), qtype, shape[1])
+
+
+def quantize_q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
+    """Dense [N, K] -> GGUF Q8_0 blocks uint8 [N, K/32 * 34], bit-identical to gguf.quants / ggml."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"Q8_0 needs in_features divisible by {BLOCK}, got {k}")
+    out = torch.empty(n, k // BLOCK, BLOCK_BYTES["Q8_0"], dtype=torch.uint8)
+    step = max(1, (1 << 22) // k)  # bounded float32 temporaries for big matrices (the LM head)
+    for s in range(0, n, step):
+        b = w[s : s + step].float().reshape(-1, k // BLOCK, BLOCK)
+        d = b.abs().amax(dim=-1, keepdim=True) / 127
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        v = b * inv
+        a = v.abs()
+        fl = a.floor()
+        q = torch.sign(v) * (fl + torch.floor(2 * (a - fl)))  # round half away from zero, as ggml's roundf
+        out[s : s + step, :, 0:2] = d.half().view(torch.uint8)
+        out[s : s + step, :, 2:] = q.to(torch.int8).view(torch.uint8)
+    return out.reshape(n, -1)
