@@ -119,29 +119,29 @@ def process_tree(root: int, sid: Optional[int] = None) -> set[int]:
     return pids
 
 
+def _kib_field(path: str, key: str) -> Optional[int]:
+    """The ``key:  N kB`` line of a /proc file, in bytes; None if the file or the line is missing."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def rss_bytes(pids: set[int], pss: bool = True) -> tuple[int, int]:
     """(sum of VmRSS, sum of Pss) over ``pids``, in bytes; gone processes count 0.  RSS counts a
     page shared by two processes twice, Pss splits it between them (read only when ``pss``)."""
     rss = pss_sum = 0
     for p in pids:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        rss += int(line.split()[1]) * 1024
-                        break
-        except OSError:
+        r = _kib_field(f"/proc/{p}/status", "VmRSS:")
+        if r is None:
             continue
-        if not pss:
-            continue
-        try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        pss_sum += int(line.split()[1]) * 1024
-                        break
-        except OSError:
-            pass
+        rss += r
+        if pss:
+            pss_sum += _kib_field(f"/proc/{p}/smaps_rollup", "Pss:") or 0
     return rss, pss_sum
 
 
