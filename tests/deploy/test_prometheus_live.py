@@ -15,9 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +24,8 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.harness import ServerProcess, free_port, launch, launch_service
 
 from .helpers import (
     EPP_SPEC_FIELDS, HEALTH_PATH, METRICS_PATH, PROM, ROOT, SCRAPE_LABELS, alert_rules, dashboard,
@@ -44,12 +44,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tail(path: Path, n: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -57,19 +51,14 @@ def tail(path: Path, n: int = 4000) -> str:
         return ""
 
 
-def stop(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the process this test started (its own session), then SIGKILL it after `grace` s."""
-    if proc.poll() is not None:
-        return
+def started(srv: ServerProcess, timeout: float, path: str = HEALTH_PATH) -> ServerProcess:
+    """``srv`` once ``path`` answers 200; the test fails (the server stopped) if it never does."""
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        srv.wait_healthy(timeout, interval=0.3, path=path)
+    except RuntimeError as exc:
+        srv.stop(grace=5)
+        pytest.fail(f"{exc}\n{tail(srv.log_path)}")
+    return srv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,34 +69,13 @@ def stop(proc: subprocess.Popen, grace: float) -> None:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("service")
-    port = free_port()
-    log = tmp / "service.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CPUSERVE_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-cache-gb", "0.5", "--max-num-seqs", "8", "--shutdown-timeout", "5"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=SERVICE_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    srv = launch_service("service", ["--kv-cache-gb", "0.5", "--max-num-seqs", "8", "--shutdown-timeout", "5"],
+                         tmp / "service.log", cwd=SERVICE_ROOT)
+    started(srv, STARTUP_TIMEOUT)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        status = None
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"service exited with {proc.returncode} before /health was 200:\n{tail(log)}")
-            try:
-                status = httpx.get(base + HEALTH_PATH, timeout=5).status_code
-                if status == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"/health not 200 after {STARTUP_TIMEOUT:.0f} s (last: {status}):\n{tail(log)}")
-            time.sleep(0.5)
-        yield {"base": base, "port": port, "log": log, "proc": proc}
+        yield {"base": srv.url, "port": srv.port, "log": srv.log_path, "proc": srv.proc}
     finally:
-        stop(proc, grace=20)
+        srv.stop(grace=20)
 
 
 @pytest.fixture(scope="module")
@@ -140,29 +108,14 @@ def prometheus(service, tmp_path_factory):
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    log = tmp / "prometheus.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            cwd=tmp, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    api = f"http://127.0.0.1:{port}"
+    prom = launch("prometheus", [binary, f"--config.file={tmp / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+                                 "--log.level=warn"], port, tmp / "prometheus.log", cwd=tmp)
+    started(prom, 60, path="/-/ready")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"prometheus exited with {proc.returncode}:\n{tail(log)}")
-            try:
-                if httpx.get(api + "/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"prometheus not ready after 60 s:\n{tail(log)}")
-            time.sleep(0.3)
-        yield {"api": api, "log": log}
+        yield {"api": prom.url, "log": prom.log_path}
     finally:
-        stop(proc, grace=10)
+        prom.stop(grace=10)
 
 
 def last_scrape_after(api: str, t: float, timeout: float = 30) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from .conftest import ROOT, service_env
+from benchmarks.harness import service_env
+
+from .conftest import ROOT
 
 FLAGS = [
     "--model", "--host", "--port", "--dtype", "--served-model-name", "--max-num-seqs", "--max-num-batched-tokens",

@@ -14,7 +14,9 @@ import time
 import httpx
 import pytest
 
-from .conftest import Server, start_server
+from benchmarks.harness import ServerProcess
+
+from .conftest import launch_server, start_server
 from .helpers import MODEL, metric, scrape, wait_for
 
 SHUTDOWN_TIMEOUT = 8
@@ -44,7 +46,7 @@ def first_event(lines) -> dict:  # noqa: ANN001
     raise AssertionError("stream ended without an event")
 
 
-def test_queue_full_is_429_with_retry_after(small: Server) -> None:
+def test_queue_full_is_429_with_retry_after(small: ServerProcess) -> None:
     with httpx.Client(base_url=small.url, timeout=60) as a, httpx.Client(base_url=small.url, timeout=60) as b:
         with a.stream("POST", "/v1/completions", json=LONG) as running:
             lines = running.iter_lines()  # kept: dropping the iterator would close the connection
@@ -63,7 +65,7 @@ def test_queue_full_is_429_with_retry_after(small: Server) -> None:
     assert metric(scrape(small.url), "cpuserve:requests_rejected_total", reason="queue_full") == 1
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_0(small: Server) -> None:
+def test_sigterm_drains_in_flight_requests_then_exits_0(small: ServerProcess) -> None:
     """SIGTERM: new work is refused, the running stream finishes, the one still queued at the
     shutdown timeout ends with a clean error event, and the process exits 0."""
     short = {**LONG, "max_tokens": 24, "stream_options": {"include_usage": True}}
@@ -108,7 +110,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(small: Server) -> None:
 def test_sigterm_while_the_model_loads_exits_0(tmp_path) -> None:  # noqa: ANN001
     """A SIGTERM while the model is still loading (a pod stopped during start-up) is an orderly
     stop: exit status 0, not an abort from finalizing the interpreter under the loader thread."""
-    srv = Server("early", ["--threads", "1", "--kv-cache-gb", "0.1"], tmp_path / "early.log")
+    srv = launch_server("early", ["--threads", "1", "--kv-cache-gb", "0.1"], tmp_path / "early.log")
     try:
         wait_for(lambda: _health(srv) == 503, 120, "the port to answer while the model loads", interval=0.02)
         srv.signal(signal.SIGTERM)
@@ -120,7 +122,7 @@ def test_sigterm_while_the_model_loads_exits_0(tmp_path) -> None:  # noqa: ANN00
     assert "stopped while the model was loading" in log
 
 
-def _health(srv: Server) -> int:
+def _health(srv: ServerProcess) -> int:
     try:
         return httpx.get(srv.url + "/health", timeout=2).status_code
     except httpx.TransportError:

@@ -9,7 +9,9 @@ import re
 import httpx
 import pytest
 
-from .conftest import Server, start_server
+from benchmarks.harness import ServerProcess
+
+from .conftest import start_server
 from .helpers import MODEL, wait_for
 
 CANARY = "zebra-canary-7f3e91 tells a secret"
@@ -24,7 +26,7 @@ def json_server(tmp_path_factory: pytest.TempPathFactory):
     srv.stop()
 
 
-def log_records(server: Server) -> list[dict]:
+def log_records(server: ServerProcess) -> list[dict]:
     lines = [line for line in server.log().splitlines() if line.strip()]
     records = []
     for line in lines:
@@ -35,7 +37,7 @@ def log_records(server: Server) -> list[dict]:
     return records
 
 
-def finished_line(server: Server, request_id: str) -> dict:
+def finished_line(server: ServerProcess, request_id: str) -> dict:
     def found() -> bool:
         return any(r.get("request_id") == request_id and " finished:" in r["message"] for r in log_records(server))
 
@@ -43,7 +45,7 @@ def finished_line(server: Server, request_id: str) -> dict:
     return next(r for r in log_records(server) if r.get("request_id") == request_id and " finished:" in r["message"])
 
 
-def test_client_request_id_is_echoed_and_logged(json_server: Server) -> None:
+def test_client_request_id_is_echoed_and_logged(json_server: ServerProcess) -> None:
     rid = "client-trace-4711:a/b"
     body = {"model": MODEL, "prompt": CANARY, "max_tokens": 3}
     r = httpx.post(json_server.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=60)
@@ -54,7 +56,7 @@ def test_client_request_id_is_echoed_and_logged(json_server: Server) -> None:
     assert line["level"] == "info" and line["logger"] == "service.requests"
 
 
-def test_streamed_request_logged_with_its_id(json_server: Server) -> None:
+def test_streamed_request_logged_with_its_id(json_server: ServerProcess) -> None:
     rid = "stream-0001"
     body = {"model": MODEL, "messages": [{"role": "user", "content": CANARY}], "max_tokens": 3, "stream": True}
     with httpx.stream("POST", json_server.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": rid},
@@ -65,7 +67,7 @@ def test_streamed_request_logged_with_its_id(json_server: Server) -> None:
     finished_line(json_server, rid)
 
 
-def test_missing_or_unusable_id_is_replaced(json_server: Server) -> None:
+def test_missing_or_unusable_id_is_replaced(json_server: ServerProcess) -> None:
     for headers in ({}, {"X-Request-Id": "has spaces and \"quotes\""}, {"X-Request-Id": "x" * 200}):
         r = httpx.post(json_server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
                        headers=headers, timeout=60)
@@ -74,7 +76,7 @@ def test_missing_or_unusable_id_is_replaced(json_server: Server) -> None:
         finished_line(json_server, r.headers["x-request-id"])
 
 
-def test_errors_carry_the_request_id(json_server: Server) -> None:
+def test_errors_carry_the_request_id(json_server: ServerProcess) -> None:
     rid = "bad-request-42"
     r = httpx.post(json_server.url + "/v1/completions", json={"model": MODEL, "prompt": CANARY, "max_tokens": -1},
                    headers={"X-Request-Id": rid}, timeout=60)
@@ -85,7 +87,7 @@ def test_errors_carry_the_request_id(json_server: Server) -> None:
     assert r.status_code == 404 and r.headers["x-request-id"] == rid
 
 
-def test_every_line_is_json_and_no_prompt_is_logged(json_server: Server) -> None:
+def test_every_line_is_json_and_no_prompt_is_logged(json_server: ServerProcess) -> None:
     httpx.post(json_server.url + "/v1/completions", json={"model": MODEL, "prompt": CANARY, "max_tokens": 2},
                timeout=60)
     records = log_records(json_server)  # fails on any line that is not one JSON object

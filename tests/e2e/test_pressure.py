@@ -15,14 +15,14 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
+from benchmarks.harness import ServerProcess, rss_bytes
 from service import faults
 
-from .conftest import Server, start_server
+from .conftest import start_server
 from .helpers import API_KEY, MODEL, metric, scrape, wait_for
 
 MAX_NUM_SEQS = 4
@@ -64,10 +64,9 @@ def idle(url: str) -> bool:
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    rss = rss_bytes({pid}, pss=False)[0]
+    assert rss, f"no VmRSS for {pid}: the server is gone"
+    return rss / 2**20
 
 
 def complete(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
@@ -113,7 +112,7 @@ def assert_same_greedy(a: dict, b: dict, tie: float = 0.05) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_small_kv_cache_preempts_and_recomputes_with_the_same_greedy_text(tight: Server, server: Server) -> None:
+def test_small_kv_cache_preempts_and_recomputes_with_the_same_greedy_text(tight: ServerProcess, server: ServerProcess) -> None:
     """Five requests needing 41 blocks on a 24-block cache (any four of them need 28 or more), one of
     them nearly a whole context: preemption and recompute, no error, and the same greedy tokens as
     on the session server's 0.5 GiB cache (up to a near-tie, see assert_same_greedy)."""
@@ -180,7 +179,7 @@ class RawStream:
         self.sock.close()
 
 
-def test_cancellation_at_every_stage_frees_blocks_and_leaves_other_outputs_unchanged(tight: Server) -> None:
+def test_cancellation_at_every_stage_frees_blocks_and_leaves_other_outputs_unchanged(tight: ServerProcess) -> None:
     """A client that goes away while queued, mid-prefill, mid-decode (streaming or not) or while its
     stream is being written: aborted, its blocks freed; two greedy requests running all along give
     the same text as without the cancellations."""
@@ -269,7 +268,7 @@ async def _http_post(port: int, body: dict) -> tuple[int, dict[str, str], bytes]
     return int(status_line.split()[1]), headers, rest
 
 
-def test_ten_times_overload_answers_every_request_and_stays_bounded(tight: Server) -> None:
+def test_ten_times_overload_answers_every_request_and_stays_bounded(tight: ServerProcess) -> None:
     """120 clients (10x the 4 running + 8 waiting it admits), retrying 0.2 s after a 429, for 12 s:
     far more than ten times what it serves.  Each answer is 32 tokens so that what it serves stays
     well under a tenth of what the clients offer even on a fast host (8-token answers left the

@@ -19,9 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.harness import ServerProcess
 from service import faults
 
-from .conftest import ROOT, Server, start_server
+from .conftest import ROOT, start_server
 from .helpers import MODEL, metric, scrape, sse_events, wait_for
 
 MAX_MODEL_LEN = 64
@@ -48,7 +49,7 @@ def fuzz(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def http(fuzz: Server):
+def http(fuzz: ServerProcess):
     with httpx.Client(base_url=fuzz.url, timeout=120) as c:
         yield c
 
@@ -118,14 +119,14 @@ HOSTILE = [
 
 
 @pytest.mark.parametrize("path,body,headers,status,param", [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
-def test_hostile_input_gets_a_clear_4xx(fuzz: Server, http: httpx.Client, path, body, headers, status, param) -> None:  # noqa: ANN001
+def test_hostile_input_gets_a_clear_4xx(fuzz: ServerProcess, http: httpx.Client, path, body, headers, status, param) -> None:  # noqa: ANN001
     t0 = time.monotonic()
     assert_error(http.post(path, content=body, headers=headers), status, param)
     assert time.monotonic() - t0 < 30, "refusing it took too long"
     assert httpx.get(fuzz.url + "/health", timeout=30).status_code == 200
 
 
-def test_control_characters_are_text_not_errors(fuzz: Server, http: httpx.Client) -> None:
+def test_control_characters_are_text_not_errors(fuzz: ServerProcess, http: httpx.Client) -> None:
     """C0/C1 controls, NUL, DEL, bidi overrides, a BOM and emoji are valid text: 200, echoed intact."""
     prompt = "".join(chr(c) for c in range(32)) + "\x7f\x85\u200b\u202e\ufeff\U0001f600 end"
     r = http.post("/v1/completions", json={**GOOD, "prompt": prompt, "echo": True, "max_tokens": 1})
@@ -139,7 +140,7 @@ def test_control_characters_are_text_not_errors(fuzz: Server, http: httpx.Client
     assert http.post("/detokenize", json={"tokens": tok.json()["tokens"]}).status_code == 200
 
 
-def test_extreme_but_valid_values_are_served(fuzz: Server, http: httpx.Client) -> None:
+def test_extreme_but_valid_values_are_served(fuzz: ServerProcess, http: httpx.Client) -> None:
     """Values an int64 tensor cannot hold are clamped where that means the same (top_k), never a 500."""
     for extra in ({"top_k": 10**30, "temperature": 1.0}, {"priority": -(10**30)}, {"seed": -(2**63), "temperature": 1.0},
                   {"stop": [f"s{i}" for i in range(64)]}, {"logit_bias": {str(VOCAB - 1): -100}}):
@@ -148,7 +149,7 @@ def test_extreme_but_valid_values_are_served(fuzz: Server, http: httpx.Client) -
     assert_healthy(fuzz.url)
 
 
-def test_schemathesis_finds_no_5xx_and_no_schema_violation(fuzz: Server, tmp_path: Path) -> None:
+def test_schemathesis_finds_no_5xx_and_no_schema_violation(fuzz: ServerProcess, tmp_path: Path) -> None:
     """Schemathesis on the server's own OpenAPI schema: no 5xx, responses match the schema.
 
     Not run: ``positive_data_acceptance``: the schema states types, not the value ranges and
@@ -173,7 +174,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(fuzz: Server, tmp_pat
     wait_for(lambda: metric(scrape(fuzz.url), "cpuserve:kv_cache_blocks_used") == 0, 30, "every KV block back in the pool")
 
 
-def test_a_failing_step_is_a_500_and_the_engine_keeps_serving(fuzz: Server, http: httpx.Client) -> None:
+def test_a_failing_step_is_a_500_and_the_engine_keeps_serving(fuzz: ServerProcess, http: httpx.Client) -> None:
     before = scrape(fuzz.url)
     bad = {**GOOD, "prompt": f"Say hi {faults.FAIL_STEP}"}
     err = assert_error(http.post("/v1/completions", json=bad), 500)
@@ -193,7 +194,7 @@ def test_a_failing_step_is_a_500_and_the_engine_keeps_serving(fuzz: Server, http
     assert "Traceback" in fuzz.log() and "engine step failed" in fuzz.log()  # logged for the operator
 
 
-def test_engine_loop_death_ends_streams_turns_health_503_and_exits_nonzero(fuzz: Server) -> None:
+def test_engine_loop_death_ends_streams_turns_health_503_and_exits_nonzero(fuzz: ServerProcess) -> None:
     """The last test here: the server is gone afterwards."""
     slow = {"model": MODEL, "prompt": f"Tell a story {faults.SLOW_STEP}", "max_tokens": 40, "ignore_eos": True}
     streamed: list = []

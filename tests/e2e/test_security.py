@@ -12,17 +12,18 @@ import re
 
 import httpx
 
+from benchmarks.harness import ServerProcess
 from service import __main__ as cli
 from service import middleware
 
-from .conftest import ROOT, Server
+from .conftest import ROOT
 from .helpers import API_KEY, MODEL, wait_for
 
 PROMPT_CANARY = "zebra-canary-7f3a91 secret prompt text"
 KEY_CANARY = "sk-canary-0d5e2b9c"
 
 
-def test_every_route_but_health_and_metrics_needs_the_key(server: Server) -> None:
+def test_every_route_but_health_and_metrics_needs_the_key(server: ServerProcess) -> None:
     spec = httpx.get(server.url + "/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
     routes = [(m.upper(), p) for p, ops in spec["paths"].items() for m in ops] + [("GET", "/docs"), ("GET", "/openapi.json")]
     assert ("POST", "/v1/completions") in routes and ("POST", "/detokenize") in routes
@@ -46,7 +47,7 @@ def test_key_is_compared_in_constant_time() -> None:
     assert not re.search(r"==\s*self\._key|self\._key\s*==", source)
 
 
-def test_prompts_and_keys_never_reach_the_log(server: Server) -> None:
+def test_prompts_and_keys_never_reach_the_log(server: ServerProcess) -> None:
     """At the default level (info): a served request, a refused one, a streamed one, a wrong key."""
     auth = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=server.url, timeout=60) as c:

@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import ROOT, STARTUP_TIMEOUT, service_env
+from benchmarks.harness import service_command, service_env
+
+from .conftest import ROOT, STARTUP_TIMEOUT
 
 DURATION_S = float(os.environ.get("CPUSERVE_SOAK_TEST_DURATION", "35"))
 
@@ -43,15 +45,12 @@ def test_short_soak_loses_nothing_and_leaks_no_blocks(tmp_path: Path) -> None:
     assert "lost                 0" in r.stdout and "KV blocks in use end 0" in r.stdout
 
 
-def test_own_server_passes_a_key_that_starts_with_a_dash(tmp_path: Path, monkeypatch) -> None:
+def test_own_server_passes_a_key_that_starts_with_a_dash() -> None:
     """The soak's random API key (token_urlsafe) starts with "-" one time in 64: the server's own
     parser must still read it as the key (it once exited with "expected one argument")."""
     from benchmarks import soak
     from service.__main__ import build_parser
 
-    started = []
-    monkeypatch.setattr(soak.subprocess, "Popen", lambda cmd, **kw: started.append(cmd))
-    soak.OwnServer(["--max-num-seqs", "8"], "-Ab_c", tmp_path / "server.log", sys.executable)
-    cmd = started[0]
+    cmd = service_command(8000, soak.server_args("-Ab_c", ["--max-num-seqs", "8"]))
     args = build_parser({}).parse_args(cmd[cmd.index("service") + 1:])
     assert args.api_key == "-Ab_c" and args.max_num_seqs == 8

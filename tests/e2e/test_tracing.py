@@ -12,7 +12,9 @@ import threading
 import httpx
 import pytest
 
-from .conftest import ROOT, Server, free_port, service_env, start_server
+from benchmarks.harness import ServerProcess, free_port, service_env
+
+from .conftest import ROOT, start_server
 from .helpers import MODEL, wait_for
 
 pytest.importorskip("opentelemetry.sdk", reason="the optional tracing packages (requirements-otel.txt)")
@@ -79,7 +81,7 @@ def traced_server(collector: Collector, tmp_path_factory: pytest.TempPathFactory
     srv.stop()
 
 
-def test_each_request_becomes_a_trace_of_queue_prefill_decode(traced_server: Server, collector: Collector) -> None:
+def test_each_request_becomes_a_trace_of_queue_prefill_decode(traced_server: ServerProcess, collector: Collector) -> None:
     ids = {}
     for n in (3, 6):
         r = httpx.post(traced_server.url + "/v1/completions",
