@@ -24,7 +24,7 @@ class FakeEngine:
     def validate(self, prompt_ids, params) -> None:  # noqa: ANN001
         pass
 
-    def add_request(self, rid, prompt_ids, params, priority, arrival) -> None:  # noqa: ANN001
+    def enqueue(self, rid, prompt_ids, params, priority, arrival) -> None:  # noqa: ANN001
         self.added.append(rid)
         self.scheduler.num_waiting += params.n  # nothing is ever scheduled: they all wait
 
@@ -114,8 +114,7 @@ def test_submitted_requests_share_one_mailbox_tagged_and_in_step_order() -> None
         ae = AsyncEngine(CountingEngine())
         ae.start()
         box: Mailbox[Delivery] = Mailbox(asyncio.get_running_loop())
-        ae.submit("x", [1], SamplingParams(), box, 7)
-        ae.submit("y", [1], SamplingParams(), box, 8)
+        ae.submit([("x", [1]), ("y", [1])], SamplingParams(), box)
         got = []
         while len(got) < 6:
             tag, d = await asyncio.wait_for(box.get(), 5)
@@ -124,6 +123,6 @@ def test_submitted_requests_share_one_mailbox_tagged_and_in_step_order() -> None
         return got
 
     got = asyncio.run(run())
-    assert sorted(got) == [(7, "x1"), (7, "x2"), (7, "x3"), (8, "y1"), (8, "y2"), (8, "y3")]
-    assert [text for tag, text in got if tag == 7] == ["x1", "x2", "x3"]
-    assert [text for tag, text in got if tag == 8] == ["y1", "y2", "y3"]
+    assert sorted(got) == [(0, "x1"), (0, "x2"), (0, "x3"), (1, "y1"), (1, "y2"), (1, "y3")]
+    assert [text for tag, text in got if tag == 0] == ["x1", "x2", "x3"]
+    assert [text for tag, text in got if tag == 1] == ["y1", "y2", "y3"]
