@@ -117,7 +117,7 @@ def forced_logits(engine: LLMEngine, prompt: list[int], continuation: list[int])
             engine.runner.execute(sched)
             forced = {s.request.request_id: continuation[req.num_output_tokens] for s in sched.scheduled if s.samples}
             engine.scheduler.update(sched, forced)
-        engine.text_states.clear()
+        engine.output.text_states.clear()
     return torch.stack([c[-1] for c in captured])
 
 

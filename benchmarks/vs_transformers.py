@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import LLM
+from engine.llm import LLM
 from engine.loader import resolve_model_path
 from engine.request import SamplingParams
 

@@ -1,23 +1,19 @@
 """The engine as the HTTP service drives it: a step loop on its own thread, streams on the event loop.
 
-The event loop never runs model code, nor any torch op big enough to go parallel:
-OpenMP (libgomp) gives every thread that starts a parallel region its own worker
-team, and once more OpenMP threads exist than cores, workers stop spinning between
-regions, which made batch-1 decode 3x slower here (12.4 vs 4.0 ms/token).  For the
-same reason ``start`` frees the calling thread's team (built when that thread
-loaded or warmed up the engine).  Requests and aborts cross into the engine
-thread through a queue; each step's deltas come back through
-``loop.call_soon_threadsafe`` into one :class:`Mailbox` per request.  A step that
-raises fails only the requests in it; if the loop itself dies, every open stream
-ends with an error and ``healthy`` turns False, so the service can exit and be
-restarted.
+The event loop never runs model code, nor any torch op big enough to go parallel: every thread
+that starts an OpenMP region gets its own worker team, and more OpenMP threads than cores slow
+every step (engine/process.py, ``release_openmp_team``; ``start`` frees the calling thread's).
+Requests are validated on the caller's thread as they enter (``submit``), then they and aborts
+cross into the engine thread through a queue; each step's deltas come back through
+``loop.call_soon_threadsafe`` into one :class:`Mailbox` per consumer.  A step that raises fails
+only the requests in it; if the loop itself dies, every open stream ends with an error and
+``healthy`` turns False, so the service can exit and be restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import logging
 import queue
 import threading
@@ -25,11 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Generic, Optional, Sequence, TypeVar
 
-import torch
-
-from engine.engine import LLMEngine, RequestError
+from engine.engine import LLMEngine
+from engine.process import release_openmp_team
 from engine.request import CompletionDelta, SamplingParams
 from engine.stats import RequestStats, StepStats
+from engine.validation import RequestError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,23 +37,6 @@ class QueueFullError(Exception):
 
 class EngineDeadError(Exception):
     """The engine loop has stopped; nothing more will be served."""
-
-
-def _release_openmp_team() -> None:
-    """Free the calling thread's OpenMP worker team (OpenMP 5.0 ``omp_pause_resource_all``).
-
-    libgomp only frees it otherwise when the thread exits; idle, it still counts against
-    the cores and throttles the engine thread's team (see the module docstring).
-    """
-    if "OpenMP" not in torch.__config__.parallel_info():
-        return
-    try:
-        ctypes.CDLL(None).omp_pause_resource_all(_OMP_PAUSE_HARD)
-    except (OSError, AttributeError):  # not libgomp / too old: nothing to free
-        pass
-
-
-_OMP_PAUSE_HARD = 2
 
 
 class Mailbox(Generic[T]):
@@ -137,7 +116,7 @@ class AsyncEngine:
     # --- lifecycle --------------------------------------------------------------------
 
     def start(self) -> None:
-        _release_openmp_team()
+        release_openmp_team()
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -170,43 +149,49 @@ class AsyncEngine:
     ) -> AsyncIterator[CompletionDelta]:
         """Validate and queue a request; returns its stream of deltas (all n choices, in step order).
 
-        Raises RequestError (bad request), QueueFullError (429) or EngineDeadError at once.  The
-        queue limit counts sequences; an empty queue always takes a request, whatever its ``n``.
-        Leaving the stream before its last delta aborts the request.
+        Raises as ``submit`` does.  Leaving the stream before its last delta aborts the request.
         """
         box: Mailbox[Delivery] = Mailbox(asyncio.get_running_loop())
-        self.submit(request_id, prompt_ids, params, box, 0, priority)
+        self.submit([(request_id, prompt_ids)], params, box, priority)
         return self._iterate(request_id, box, params.n)
 
     def submit(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
+        prompts: Sequence[tuple[str, Sequence[int]]],
         params: SamplingParams,
         box: Mailbox[Delivery],
-        tag: int,
         priority: int = 0,
     ) -> None:
-        """``add_request`` for a consumer that merges several requests: each delta, or the error
-        that ends the request early, arrives in ``box`` as ``(tag, item)``, on the running loop.
+        """Validate ``(request_id, prompt_ids)`` pairs sharing ``params``, then queue all or none.
 
-        The consumer counts the ``n`` finished choices itself and must ``abort`` the request if it
-        stops reading before then.  The HTTP service uses this: a streamed token then crosses one
-        hand-off on the event loop, not two.
+        This is where a served request is validated, once.  Raises RequestError (bad request),
+        QueueFullError (429) or EngineDeadError at once.  The queue limit counts sequences, the
+        earlier prompts' included; an empty queue always takes the first prompt, whatever its ``n``.
+
+        Prompt i's deltas, or the error that ends it early, arrive in ``box`` as ``(i, item)``,
+        on the running loop.  The consumer counts the ``n`` finished choices of each itself and must
+        ``abort`` the requests it stops reading before then.  The HTTP service merges a request's
+        prompts this way: a streamed token then crosses one hand-off on the event loop, not two.
         """
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
-        self.engine.validate(list(prompt_ids), params)
-        stream = _Stream(box, tag, params.n)
+        for _, prompt_ids in prompts:
+            self.engine.validate(prompt_ids, params)
         with self._lock:
-            waiting = self.num_waiting
+            # As if queued one by one: the last prompt waits behind all the earlier ones.
+            waiting = self.num_waiting + (len(prompts) - 1) * params.n
             if waiting and waiting + params.n > self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} sequences)")
-            if request_id in self._streams:
-                raise RequestError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            self._pending += params.n
-        self._commands.put(("add", request_id, list(prompt_ids), params, priority, time.monotonic()))
+            ids = [rid for rid, _ in prompts]
+            taken = next((rid for i, rid in enumerate(ids) if rid in self._streams or rid in ids[:i]), None)
+            if taken is not None:
+                raise RequestError(f"request id {taken!r} is already in use")
+            for tag, rid in enumerate(ids):
+                self._streams[rid] = _Stream(box, tag, params.n)
+            self._pending += params.n * len(prompts)
+        arrival = time.monotonic()
+        for rid, prompt_ids in prompts:
+            self._commands.put(("add", rid, list(prompt_ids), params, priority, arrival))
         self._wake.set()
 
     async def _iterate(self, request_id: str, box: Mailbox[Delivery], n: int) -> AsyncIterator[CompletionDelta]:
@@ -285,8 +270,8 @@ class AsyncEngine:
                 if not alive:
                     continue  # aborted before it reached the scheduler
                 try:
-                    self.engine.add_request(rid, prompt_ids, params, priority, arrival)
-                except Exception as exc:  # noqa: BLE001 - validated already; report, never crash the loop
+                    self.engine.enqueue(rid, prompt_ids, params, priority, arrival)
+                except Exception as exc:  # noqa: BLE001 - e.g. a grammar that fails to compile; never crash the loop
                     self._dispatch_error(rid, exc)
             elif cmd[0] == "abort":
                 rid = cmd[1]
@@ -298,8 +283,7 @@ class AsyncEngine:
 
     def _dispatch(self, deltas: list[CompletionDelta]) -> None:
         """Hand a step's deltas to their streams: one wake-up of each event loop per step, not one
-        per delta (c=32: 32 cross-thread calls and lock round trips a step on the engine's thread;
-        the event loop's CPU per 128 x 128-token run went 0.78-0.82 -> 0.75-0.78 s)."""
+        per delta, which would cost a cross-thread call and a lock round trip per running request."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[Mailbox[Delivery], Delivery]]] = {}
         with self._lock:
             for d in deltas:

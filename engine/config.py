@@ -1,7 +1,9 @@
 """Configuration dataclasses: the one place every tunable lives.
 
-The CLI (``service/__main__.py``) and the offline ``LLM`` class both build an
-``EngineConfig``; nothing below the engine reads flags or environment variables.
+The CLI (``service/__main__.py``) and the offline ``LLM`` class both build an ``EngineConfig``;
+nothing below the engine reads flags.  A few environment variables are still read where they
+act (OMP_NUM_THREADS here, CPUSERVE_* overrides in the kernels, quantization and native build);
+they are to move into one registry, engine/envs.py.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"
 WEIGHT_QUANTS = ("auto", "q8_0", "none")
 LARGE_BATCH_MATMULS = ("auto", "int8_rows", "int8", "dense")
 # Default most memory the row-int8 copies of the weights may take ("auto" large-batch matmuls; one
-# byte per weight): the 135M default model's 129 MiB fit, a 0.5-1B model's 0.4-1.1 GB do not,
-# which keeps a model's idle memory near its file's size (they buy 1.1-1.45x on large batches).
+# byte per weight): small models get them, 0.5B+ ones keep their idle memory near the file's size.
 ROWS_INT8_BUDGET_GB = 0.25
 # Most KV-cache memory the default prefix-cache reserve (CacheConfig.prefix_cache_gb) takes; the
 # server makes the reserve resident at start-up, and one full context of a long-context model
@@ -67,6 +68,14 @@ def default_num_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
+def default_model_name(source: str) -> str:
+    """The served model name when ``served_model_name`` is unset:
+    '.../SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'; a directory -> its name."""
+    base = os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
+    stem, _, last = base.rpartition(".")
+    return stem if stem and last.upper().startswith(("Q", "F", "BF", "IQ")) else base
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -97,12 +106,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     # Prompt tokens per step (each running decode adds its one token on top).  Smaller chunks
-    # let waiting prompts start sooner and keep running streams flowing between chunks: a prompt
-    # that arrives as a step starts waits for that whole step (~115 ms at 512 tokens here).
-    # Measured through the server (1024-token prompts, 4 at a time): 512 cut TTFT p50 from 675 to
-    # 546 ms against 2048; 256 then cut it from 418 / 375 to 369 / 327 ms, and 32-way TTFT p50
-    # from 248 / 209 to 141 / 125 ms, at the same 32-way throughput (alternating runs); a lone
-    # 1024-token prompt takes 232 instead of 228 ms (four steps instead of two).
+    # let waiting prompts start sooner and keep running streams flowing between chunks, since a
+    # prompt that arrives as a step starts waits for that whole step; 256 keeps TTFT low at the
+    # same throughput (benchmarks/HISTORY.md, "chunk size").
     max_num_batched_tokens: int = 256
     max_model_len: Optional[int] = None  # None: the model's context length
     enable_chunked_prefill: bool = True
@@ -120,13 +126,12 @@ class EngineConfig:
     # quantize dense checkpoints (lossy); "none": dense weights only.
     weight_quant: str = "auto"
     # Batches above the packed kernel's small-batch limit (prefill, big decode batches):
-    # "int8" multiplies the packed blocks with 8-bit activations (faster than dense bf16 at
-    # every size measured here, logit error comparable to bf16's own rounding); "int8_rows"
-    # does so up to 19 rows (Q4 weights; Q8_0: 7) and from there uses a copy of the weights as
-    # int8 with one scale per row (1.1-1.45x faster again, ~1 byte per weight more memory,
-    # where AVX-512 VNNI exists; elsewhere it acts as "int8"); "dense" uses the dense matmul;
-    # "auto": int8_rows for bfloat16 runs while the copies fit rows_int8_budget_gb (else int8),
-    # dense for float32 ones.
+    # "int8" multiplies the packed blocks with 8-bit activations (faster than dense bf16, logit
+    # error comparable to bf16's own rounding); "int8_rows" does so up to a routing threshold
+    # and from there uses a copy of the weights as int8 with one scale per row (faster again,
+    # ~1 byte per weight more memory, where AVX-512 VNNI or AMX exists; elsewhere it acts as
+    # "int8"); "dense" uses the dense matmul; "auto": int8_rows for bfloat16 runs while the
+    # copies fit rows_int8_budget_gb (else int8), dense for float32 ones.
     large_batch_matmul: str = "auto"
     # "auto" large-batch matmuls make the row-int8 copies only when they take at most this many
     # GiB ("int8_rows" makes them whatever they take); the engine logs the decision and the bytes.

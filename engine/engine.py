@@ -1,63 +1,45 @@
-"""The engine: one step = schedule -> run the model -> sample -> detokenize -> outputs.
+"""The engine: one step = schedule -> run the model (and sample) -> process outputs.
 
-``LLMEngine`` is the synchronous core.  ``LLM`` is the offline front door
-(``LLM(model=...).generate(prompts, params)``); ``AsyncEngine`` (engine/async_engine.py)
-runs the step loop on its own thread for the HTTP service.
+``LLMEngine`` is the synchronous core: requests enter through ``add_request`` (validated once,
+engine/validation.py), each ``step`` advances every scheduled one by a token or a prompt chunk.
+The offline ``LLM`` (engine/llm.py) and the service's ``AsyncEngine`` (engine/async_engine.py,
+the step loop on its own thread) drive it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
-import gc
 import itertools
 import logging
-import os
 import time
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from engine import process
 from engine.attention.backends.cpu import kv_cache_torch_dtype, resolve_kv_cache_dtype
-from engine.config import PREFIX_CACHE_MAX_GB, EngineConfig, default_kv_cache_gb
+from engine.config import PREFIX_CACHE_MAX_GB, EngineConfig, default_kv_cache_gb, default_model_name
 from engine.kv_cache import KVCacheManager
 from engine.loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.output_processor import RequestTextState
+from engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
+from engine.output_processor import OutputProcessor, request_stats
 from engine.quant.attach import attach_quantized_weights, skip_dense
-from engine.request import (
-    CompletionDelta,
-    CompletionOutput,
-    Request,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-    SamplingParamsError,
-)
+from engine.request import CompletionDelta, Request, RequestStatus, SamplingParams, choice_requests
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import RequestStats, StepStats
 from engine.structured import GrammarCompiler, StructuredOutputError
+from engine.validation import RequestError, validate_request
 
 logger = logging.getLogger(__name__)
 
-
-# Limits that keep one request from taking the server: n sequences per prompt, stop strings
-# (each is searched for in every step's new text), and a seed torch's generator accepts.
-MAX_N = 128
-MAX_STOP_STRINGS = 64
-SEED_RANGE = (-(2**63), 2**63 - 1)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot accept (too long, bad token ids...); ``param`` names the culprit."""
-
-    def __init__(self, message: str, param: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.param = param
+StepResult = tuple[list[CompletionDelta], Optional[StepStats], list[RequestStats]]
 
 
 class LLMEngine:
+    """A loaded model with its KV cache, scheduler and output processor, advanced one ``step``
+    at a time by one driver (``LLM`` or ``AsyncEngine``'s thread; not thread-safe)."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -65,7 +47,7 @@ class LLMEngine:
         progress: Optional[Callable[[str], None]] = None,
     ) -> None:
         self.config = config
-        _bound_onednn_caches()
+        process.bound_onednn_caches()
         torch.set_num_threads(config.num_threads)
         t0 = time.monotonic()
         skip = functools.partial(skip_dense, config)
@@ -96,12 +78,12 @@ class LLMEngine:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, self._prefix_cache_blocks(num_blocks)
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.text_states: dict[str, RequestTextState] = {}
+        self.output = OutputProcessor(self.tokenizer, self.scheduler)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
         self._arrival_seq = itertools.count()
         # Test-only fault injection: called with each step's SchedulerOutput before the model runs.
         self.fault_hook: Optional[Callable[[SchedulerOutput], None]] = None
-        _release_freed_memory()
+        process.release_freed_memory()
         self.load_time_s = time.monotonic() - t0
         reserve = self.kv.reserve_blocks  # 0 without prefix caching
         logger.info(
@@ -164,40 +146,9 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError for anything that cannot run; checked before any state changes."""
-        vocab = self.model_config.vocab_size
-        if not prompt_ids:
-            raise RequestError("the prompt is empty", "prompt")
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len} "
-                "tokens and at least one must be left to generate",
-                "prompt",
-            )
-        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"context length of {self.max_model_len}",
-                "max_tokens",
-            )
-        if params.n > MAX_N:
-            raise RequestError(f"'n' must be at most {MAX_N}", "n")
-        if len(params.stop) > MAX_STOP_STRINGS:
-            raise RequestError(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(params.stop)}", "stop")
-        if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
-            raise RequestError("'seed' must be a signed 64-bit integer", "seed")
-        for name, ids in (("logit_bias", params.logit_bias.keys()), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestError(f"{name} names token id {bad}, outside the vocabulary (0..{vocab - 1})", name)
-        try:
-            params.validate()
-        except SamplingParamsError as exc:
-            raise RequestError(str(exc), exc.param) from None
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise RequestError if this request cannot run here (engine/validation.py); changes nothing."""
+        validate_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(
         self,
@@ -207,33 +158,27 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: Optional[float] = None,
     ) -> list[Request]:
-        """Queue a request; ``n > 1`` becomes n sequences, the later ones reusing the first's prompt blocks."""
+        """Validate and queue a request (text or token ids); returns its sequences, one per choice."""
         prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params)
+        return self.enqueue(request_id, prompt_ids, params, priority, arrival_time)
+
+    def enqueue(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> list[Request]:
+        """Queue a request that ``validate`` accepted (``AsyncEngine.submit`` validates on the caller's
+        thread, then hands it here): ``n > 1`` becomes n sequences, the later ones reusing the first's
+        prompt blocks.  Raises RequestError only for a structured-output constraint that does not compile."""
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        seq = next(self._arrival_seq)
-        reqs = []
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1:
-                child_params = SamplingParams(**{**params.__dict__, "n": 1})
-                if params.seed is not None:
-                    child_params.seed = params.seed + i
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(
-                rid,
-                prompt_ids,
-                child_params,
-                self.model_config.eos_token_ids,
-                priority,
-                arrival,
-                parent_id=request_id,
-                index=i,
-                arrival_seq=seq,
-            )
-            if i > 0 and self.config.cache.enable_prefix_caching:
-                req.prefill_after = reqs[0]
-            reqs.append(req)
+        reqs = choice_requests(
+            request_id, prompt_ids, params, self.model_config.eos_token_ids, priority, arrival,
+            next(self._arrival_seq), share_prompt=self.config.cache.enable_prefix_caching,
+        )
         if params.structured is not None:
             try:
                 for req in reqs:
@@ -241,7 +186,7 @@ class LLMEngine:
             except StructuredOutputError as exc:
                 raise RequestError(str(exc), exc.param) from None
         for req in reqs:
-            self.text_states[req.request_id] = RequestTextState(self.tokenizer, req)
+            self.output.add(req)
             self.scheduler.add(req)
         return reqs
 
@@ -251,7 +196,7 @@ class LLMEngine:
         for req in list(self.scheduler.requests.values()):
             if req.parent_id == request_id or req.request_id == request_id:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                out.append(self._delta(req))
+                out.append(self.output.delta(req))
         return out
 
     def fail_requests(self, requests: Sequence[Request], message: str) -> list[CompletionDelta]:
@@ -261,7 +206,7 @@ class LLMEngine:
             if not req.is_finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
                 req.error = message
-                out.append(self._delta(req))
+                out.append(self.output.delta(req))
         return out
 
     def prefault_kv_cache(self) -> int:
@@ -277,9 +222,12 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------
 
-    def step(self) -> tuple[list[CompletionDelta], Optional[StepStats], list[RequestStats]]:
+    def step(self) -> StepResult:
+        """Schedule, run the model (which samples), process the outputs: returns the deltas of every
+        request that advanced, the step's stats (None when nothing was scheduled) and the stats of
+        the requests that finished.  A step that raises fails only its own requests."""
         t0 = time.perf_counter()
-        preempt_before = self.scheduler.num_preemptions
+        preemptions_before = self.scheduler.num_preemptions
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
@@ -290,40 +238,32 @@ class LLMEngine:
             runner_out = self.runner.execute(sched)
             advanced = self.scheduler.update(sched, runner_out.sampled)
         except Exception as exc:  # noqa: BLE001 - one bad step fails its own requests, not the engine
-            logger.exception("engine step failed; failing the %d requests in it", len(sched.scheduled))
-            reqs = [s.request for s in sched.scheduled]
-            deltas = self.fail_requests(reqs, f"internal error while generating: {type(exc).__name__}")
-            return deltas, None, [self._request_stats(r) for r in reqs]
+            return self._fail_step(sched, exc)
         t2 = time.perf_counter()
-
-        deltas: list[CompletionDelta] = []
-        finished_stats: list[RequestStats] = []
-        now = time.monotonic()
-        for req in advanced:
-            lp = runner_out.logprobs.get(req.request_id)
-            if lp is not None:
-                req.output_logprobs.append(lp)
-            if req.times.first_token is None:
-                req.times.first_token = now
-            req.times.last_token = now
-            state = self.text_states[req.request_id]
-            stop = state.update(req, token_level_stop=req.status == RequestStatus.FINISHED_STOPPED)
-            if stop is not None and not req.is_finished:
-                req.stop_reason = stop
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        for rid, lps in runner_out.prompt_logprobs.items():
-            req = next(s.request for s in sched.scheduled if s.request.request_id == rid)
-            if len(req.prompt_logprobs) < req.num_prompt_tokens:
-                req.prompt_logprobs.extend(lps)
-        for req in advanced:
-            deltas.append(self._delta(req))
-            if req.is_finished:
-                finished_stats.append(self._request_stats(req))
+        deltas, finished = self.output.process(sched, runner_out, advanced)
         t3 = time.perf_counter()
+        stats = self._step_stats(sched, runner_out, len(advanced), preemptions_before, (t0, t1, t2, t3))
+        return deltas, stats, finished
 
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> StepResult:
+        logger.exception("engine step failed; failing the %d requests in it", len(sched.scheduled))
+        reqs = [s.request for s in sched.scheduled]
+        deltas = self.fail_requests(reqs, f"internal error while generating: {type(exc).__name__}")
+        return deltas, None, [request_stats(r) for r in reqs]
+
+    def _step_stats(
+        self,
+        sched: SchedulerOutput,
+        runner_out: RunnerOutput,
+        num_generated: int,
+        preemptions_before: int,
+        times: tuple[float, float, float, float],
+    ) -> StepStats:
+        """``times``: perf_counter at the step's start, after scheduling, after the model, at the end."""
+        t0, t1, t2, t3 = times
         tm = runner_out.timings
         cache_stats = self.kv.stats.reset()
-        stats = StepStats(
+        return StepStats(
             schedule_s=t1 - t0,
             prepare_inputs_s=tm.prepare_inputs_s,
             kv_cache_update_s=tm.kv_cache_update_s,
@@ -335,140 +275,12 @@ class LLMEngine:
             total_s=t3 - t0,
             num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens,
-            num_generated_tokens=len(advanced),
+            num_generated_tokens=num_generated,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_blocks_used=self.kv.num_used_blocks,
             kv_usage=self.kv.usage,
-            num_preemptions=self.scheduler.num_preemptions - preempt_before,
+            num_preemptions=self.scheduler.num_preemptions - preemptions_before,
             prefix_cache_queries=cache_stats.queries,
             prefix_cache_hits=cache_stats.hits,
         )
-        return deltas, stats, finished_stats
-
-    def _delta(self, req: Request) -> CompletionDelta:
-        state = self.text_states.get(req.request_id)
-        finished = req.is_finished
-        new_text = state.take_new_text(finished) if state is not None else ""
-        new_ids = req.output_token_ids[req.num_sent_tokens :]
-        new_lps = req.output_logprobs[req.num_sent_tokens :]
-        req.num_sent_tokens = req.num_output_tokens
-        prompt_lps = None
-        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            if len(req.prompt_logprobs) >= req.num_prompt_tokens or finished:
-                prompt_lps = req.prompt_logprobs
-                req.prompt_logprobs_sent = True
-        if finished:
-            self.text_states.pop(req.request_id, None)
-        return CompletionDelta(
-            request_id=req.request_id,
-            parent_id=req.parent_id,
-            index=req.index,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            new_logprobs=new_lps,
-            finished=finished,
-            finish_reason=req.status.value if finished else None,
-            stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            prompt_logprobs=prompt_lps,
-            error=req.error,
-            times=req.times if finished else None,
-        )
-
-    def _request_stats(self, req: Request) -> RequestStats:
-        t = req.times
-        end = t.finished or time.monotonic()
-        tpot = None
-        if t.first_token is not None and t.last_token is not None and req.num_output_tokens > 1:
-            tpot = (t.last_token - t.first_token) / (req.num_output_tokens - 1)
-        return RequestStats(
-            request_id=req.request_id,
-            finish_reason=req.status.value,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            queue_s=(t.first_scheduled or end) - t.arrival,
-            ttft_s=(t.first_token - t.arrival) if t.first_token is not None else None,
-            e2e_s=end - t.arrival,
-            tpot_s=tpot,
-        )
-
-
-# oneDNN (torch's CPU matmuls) keeps a compiled primitive per matmul shape, 1024 by default in each of
-# two caches (ideep's and oneDNN's own).  A server sees a new shape for nearly every batch size and
-# prompt-chunk length, so resident memory climbed ~400 MB over a 10-minute soak before the caches
-# filled.  64 entries hold every layer's shapes for several recent batch sizes at the same speed.
-ONEDNN_CACHE_CAPACITY = "64"
-
-
-def _bound_onednn_caches() -> None:
-    """Cap oneDNN's per-shape caches unless the user set them (read lazily, at the first matmul)."""
-    for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
-        os.environ.setdefault(name, ONEDNN_CACHE_CAPACITY)
-
-
-def _release_freed_memory() -> None:
-    """Hand the loader's temporary buffers back to the OS (glibc keeps freed heap otherwise: ~300 MB of RSS)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def default_model_name(source: str) -> str:
-    """'.../SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'; a directory -> its name."""
-    base = os.path.basename(os.path.normpath(source)).removesuffix(".gguf")
-    stem, _, last = base.rpartition(".")
-    return stem if stem and last.upper().startswith(("Q", "F", "BF", "IQ")) else base
-
-
-class LLM:
-    """Offline batch generation: ``LLM(model="default").generate(["Hello"], SamplingParams(max_tokens=8))``."""
-
-    def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, **kwargs) -> None:  # noqa: ANN003
-        config = config or EngineConfig(model=model, **kwargs)
-        self.engine = LLMEngine(config)
-        self._ids = itertools.count()
-
-    @property
-    def tokenizer(self):  # noqa: ANN201
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
-        params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
-    ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
-        order: list[str] = []
-        results: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params_list):
-            rid = str(next(self._ids))
-            reqs = self.engine.add_request(rid, prompt, p)
-            order.append(rid)
-            results[rid] = RequestOutput(
-                rid,
-                reqs[0].prompt_token_ids,
-                [CompletionOutput(i, "", [], None) for i in range(p.n)],
-            )
-        while self.engine.has_unfinished():
-            deltas, _, _ = self.engine.step()
-            for d in deltas:
-                out = results[d.parent_id]
-                choice = out.outputs[d.index]
-                choice.text += d.new_text
-                choice.token_ids.extend(d.new_token_ids)
-                choice.logprobs.extend(d.new_logprobs)
-                if d.prompt_logprobs is not None:
-                    out.prompt_logprobs = d.prompt_logprobs
-                out.num_cached_tokens = max(out.num_cached_tokens, d.num_cached_tokens)
-                if d.finished:
-                    choice.finish_reason = d.finish_reason
-                    choice.stop_reason = d.stop_reason
-        return [results[rid] for rid in order]

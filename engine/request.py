@@ -213,6 +213,44 @@ class Request:
         return f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/{self.num_tokens})"
 
 
+def choice_requests(
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: tuple[int, ...],
+    priority: int,
+    arrival_time: float,
+    arrival_seq: int,
+    share_prompt: bool,
+) -> list[Request]:
+    """One Request per choice.  ``n > 1`` becomes n sequences ``{request_id}#{i}`` with n=1 each,
+    seeds ``seed + i`` (distinct but reproducible); with ``share_prompt`` (prefix caching) the
+    later ones wait for the first's prompt to be computed and reuse its blocks."""
+    reqs: list[Request] = []
+    for i in range(params.n):
+        child_params = params
+        if params.n > 1:
+            child_params = SamplingParams(**{**params.__dict__, "n": 1})
+            if params.seed is not None:
+                child_params.seed = params.seed + i
+        rid = request_id if params.n == 1 else f"{request_id}#{i}"
+        req = Request(
+            rid,
+            prompt_ids,
+            child_params,
+            eos_token_ids,
+            priority,
+            arrival_time,
+            parent_id=request_id,
+            index=i,
+            arrival_seq=arrival_seq,
+        )
+        if i > 0 and share_prompt:
+            req.prefill_after = reqs[0]
+        reqs.append(req)
+    return reqs
+
+
 @dataclass
 class CompletionDelta:
     """What one request produced in one engine step (new tokens and text since the last one)."""

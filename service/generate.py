@@ -23,7 +23,6 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from engine.async_engine import Delivery, EngineDeadError, Mailbox
-from engine.engine import RequestError
 from engine.request import CompletionDelta, SamplingParams
 from service.errors import APIError
 from service.state import ServerState
@@ -51,25 +50,11 @@ class Generation:
         self.prompts = prompts
         self.n = params.n
         self.t0 = time.monotonic()
-        engine, _ = state.engines()
-        for ids in prompts:  # all or nothing: check every prompt before queueing any
-            try:
-                engine.validate(ids, params)
-            except RequestError as exc:
-                raise APIError(400, str(exc), param=exc.param) from None
         self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         # Every prompt's deltas arrive here tagged with its index, straight from the engine thread's
         # hand-off: one wake-up per streamed token on the event loop.
         self._box: Mailbox[Delivery] = Mailbox(asyncio.get_running_loop())
-        submitted = 0
-        try:
-            for i, (rid, ids) in enumerate(zip(self.engine_ids, prompts)):
-                state.submit(rid, ids, params, priority, self._box, i)
-                submitted += 1
-        except APIError:
-            for rid in self.engine_ids[:submitted]:
-                state.abort(rid)
-            raise
+        state.submit(list(zip(self.engine_ids, prompts)), params, priority, self._box)  # all prompts or none
         state.generations.add(self)
         if params.structured is not None:
             state.metrics.structured_request(params.structured.kind)

@@ -19,10 +19,11 @@ import weakref
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from engine.async_engine import AsyncEngine, Delivery, EngineDeadError, Mailbox, QueueFullError
-from engine.engine import LLMEngine, RequestError
+from engine.engine import LLMEngine
 from engine.loader import ModelLoadError
 from engine.request import SamplingParams
 from engine.stats import RequestStats
+from engine.validation import RequestError
 from service import faults
 from service.config import ServiceConfig
 from service.errors import APIError
@@ -192,13 +193,14 @@ class ServerState:
             )
 
     def submit(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int,
-        box: Mailbox[Delivery], tag: int,
+        self, prompts: Sequence[tuple[str, Sequence[int]]], params: SamplingParams, priority: int,
+        box: Mailbox[Delivery],
     ) -> None:
-        """Queue one prompt; its deltas (or the error that ends it) arrive in ``box`` as ``(tag, item)``."""
+        """Validate and queue ``(request_id, prompt_ids)`` pairs, all or none (``AsyncEngine.submit``);
+        prompt i's deltas (or the error that ends it) arrive in ``box`` as ``(i, item)``."""
         _, async_engine = self.engines()
         try:
-            async_engine.submit(request_id, prompt_ids, params, box, tag, priority)
+            async_engine.submit(prompts, params, box, priority)
         except RequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         except QueueFullError as exc:

@@ -12,6 +12,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine, Delivery, EngineDeadError, Mailbox, QueueFullError
 from engine.request import CompletionDelta, SamplingParams
+from engine.validation import RequestError
 
 
 class FakeEngine:
@@ -24,7 +25,7 @@ class FakeEngine:
     def validate(self, prompt_ids, params) -> None:  # noqa: ANN001
         pass
 
-    def add_request(self, rid, prompt_ids, params, priority, arrival) -> None:  # noqa: ANN001
+    def enqueue(self, rid, prompt_ids, params, priority, arrival) -> None:  # noqa: ANN001
         self.added.append(rid)
         self.scheduler.num_waiting += params.n  # nothing is ever scheduled: they all wait
 
@@ -114,8 +115,7 @@ def test_submitted_requests_share_one_mailbox_tagged_and_in_step_order() -> None
         ae = AsyncEngine(CountingEngine())
         ae.start()
         box: Mailbox[Delivery] = Mailbox(asyncio.get_running_loop())
-        ae.submit("x", [1], SamplingParams(), box, 7)
-        ae.submit("y", [1], SamplingParams(), box, 8)
+        ae.submit([("x", [1]), ("y", [1])], SamplingParams(), box)
         got = []
         while len(got) < 6:
             tag, d = await asyncio.wait_for(box.get(), 5)
@@ -124,6 +124,42 @@ def test_submitted_requests_share_one_mailbox_tagged_and_in_step_order() -> None
         return got
 
     got = asyncio.run(run())
-    assert sorted(got) == [(7, "x1"), (7, "x2"), (7, "x3"), (8, "y1"), (8, "y2"), (8, "y3")]
-    assert [text for tag, text in got if tag == 7] == ["x1", "x2", "x3"]
-    assert [text for tag, text in got if tag == 8] == ["y1", "y2", "y3"]
+    assert sorted(got) == [(0, "x1"), (0, "x2"), (0, "x3"), (1, "y1"), (1, "y2"), (1, "y3")]
+    assert [text for tag, text in got if tag == 0] == ["x1", "x2", "x3"]
+    assert [text for tag, text in got if tag == 1] == ["y1", "y2", "y3"]
+
+
+class PickyEngine(FakeEngine):
+    """Rejects the prompt [0], as the real engine rejects an out-of-vocabulary id."""
+
+    def __init__(self) -> None:
+        super().__init__(max_waiting=8)
+        self.validated: list[list[int]] = []
+
+    def validate(self, prompt_ids, params) -> None:  # noqa: ANN001
+        self.validated.append(list(prompt_ids))
+        if list(prompt_ids) == [0]:
+            raise RequestError("token id 0 is not allowed here", "prompt")
+
+
+def test_a_request_with_one_bad_prompt_queues_none_of_them() -> None:
+    async def run() -> None:
+        engine = PickyEngine()
+        ae = AsyncEngine(engine)
+        ae.start()
+        box: Mailbox[Delivery] = Mailbox(asyncio.get_running_loop())
+        with pytest.raises(RequestError) as info:
+            ae.submit([("a", [1]), ("b", [0]), ("c", [2])], SamplingParams(n=2), box)
+        assert info.value.param == "prompt"
+        assert ae.num_waiting == 0 and ae.num_unfinished == 0
+        with pytest.raises(RequestError, match="already in use"):
+            ae.submit([("d", [1]), ("d", [2])], SamplingParams(), box)
+        checked = len(engine.validated)
+        ae.submit([("e", [1]), ("f", [2])], SamplingParams(n=2), box)
+        assert ae.num_waiting == 4
+        await asyncio.sleep(0.1)
+        assert engine.added == ["e", "f"]  # nothing of the rejected requests reached the engine
+        assert engine.validated[checked:] == [[1], [2]]  # each prompt checked once, on its way in
+        ae.stop()
+
+    asyncio.run(run())

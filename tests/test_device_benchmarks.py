@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import random_gguf, scaling
 from engine.config import EngineConfig
-from engine.engine import LLM
+from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.tiny_models import make_tiny_gguf
 

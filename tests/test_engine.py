@@ -15,9 +15,10 @@ import torch
 from engine.attention.backends.cpu import _get_attn_isa
 from engine.attention.kernels import ops
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine, RequestError
+from engine.engine import LLMEngine
 from engine.loader import load_model
 from engine.request import SamplingParams
+from engine.validation import RequestError
 
 PROMPTS = [
     "The capital of France is",
@@ -224,7 +225,7 @@ def test_abort_at_every_stage_frees_every_block(loaded):
     assert 0 < len(tokens["1"]) < GREEDY.max_tokens  # aborted mid-decode
     assert len(tokens["2"]) == GREEDY.max_tokens
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert not engine.scheduler.requests and not engine.text_states
+    assert not engine.scheduler.requests and not engine.output.text_states
 
 
 def test_rejects_requests_that_cannot_run(loaded):

@@ -13,12 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine, RequestError
+from engine.engine import LLMEngine
 from engine.loader import load_model
 from engine.request import SamplingParams
 from engine.sampler import fused_rows, plain_greedy
 from engine.structured import StructuredSpec
 from engine.structured.masks import start_masks
+from engine.validation import RequestError
 
 PROMPT = "Here is the record as JSON:"
 PLAIN = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
