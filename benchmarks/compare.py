@@ -346,7 +346,7 @@ def llama_binary(a: argparse.Namespace) -> str:
 
 
 def start_llama(a: argparse.Namespace, port: int) -> Server:
-    from engine.attention.kernels.ops import cpu_flags
+    from engine.attention.dispatch import cpu_flags
 
     # On CPUs with AMX, ggml repacks the weights for its AMX matmul, which died at the first one on
     # the 2-core KVM Xeon hosts (SIGSEGV on ldtilecfg in ggml_backend_amx_mul_mat, during start-up's
