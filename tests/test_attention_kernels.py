@@ -559,3 +559,25 @@ def test_bad_arguments_raise():
         dispatch.run(isa, query, kv.float(), meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
     with pytest.raises(RuntimeError, match="int8 kv cache rows need their scales"):  # no room after the rows
         dispatch.run(isa, query, kv.to(torch.int8), meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
+
+
+def test_one_plan_serves_every_layer_of_a_step():
+    """The first layer's call plans the batch and the other layers reuse the plan (same batch, their
+    own query and cache): each gets what the kernel planned for that call alone gives, and a call
+    whose shapes the plan was not built for is refused."""
+    isa = next(i for i in ("amx", "vec512", "vec256") if i in NATIVE)
+    q1, kv1, meta = make_case(MIXED, 8, 2, 64, 16, torch.bfloat16, torch.bfloat16, seed=1)
+    q2, kv2, _ = make_case(MIXED, 8, 2, 64, 16, torch.bfloat16, torch.bfloat16, seed=2)
+    for query, kv in ((q1, kv1), (q2, kv2)):
+        got = torch.empty_like(query)
+        dispatch.paged_attention(isa, query, kv, meta, 0.125, "auto", 1.0, 1.0, got)
+        alone = dispatch.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, meta.block_table, 0.125)
+        assert torch.equal(got, alone)
+    assert len(meta.plans) == 1
+    with pytest.raises(RuntimeError, match="query shape does not match the attention plan"):
+        dispatch.paged_attention(isa, q1[:-1], kv1, meta, 0.125, "auto", 1.0, 1.0, torch.empty_like(q1[:-1]))
+    plan = next(iter(meta.plans.values()))
+    with pytest.raises(RuntimeError, match="built from other metadata tensors"):
+        dispatch._ext().paged_attention_planned(
+            plan, q1, kv1, meta.query_start_loc.clone(), meta.seq_lens, meta.block_table, 0.125, 1.0, 1.0, torch.empty_like(q1)
+        )

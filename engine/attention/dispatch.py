@@ -223,21 +223,29 @@ def paged_attention(
 ) -> None:
     """Attend ``query`` ([num_tokens, num_heads, head_size]) over each request's paged context into
     ``output`` (same shape): causal unless ``meta.causal`` is False, query rows at the end of their
-    context.  Non-causal batches run on ``ref``."""
+    context.  Non-causal batches run on ``ref``.
+
+    The native kernel's plan for the batch (metadata validated and cut into work units) is built by
+    the first layer's call and kept in ``meta.plans`` for the others, by ISA: every layer of a model
+    has the same heads and cache shape, which the kernel checks against the plan on each call.
+    """
     if isa == "ref" or not meta.causal:
         qsl, sl = meta.query_start_locs(), meta.seq_lens_host()
         ref.paged_attention(query, kv_cache, qsl, sl, meta.block_table, scale, k_scale, v_scale, output, meta.causal)
         return
-    _ext().paged_attention(
-        isa,
+    ext = _ext()
+    plan = meta.plans.get(isa)
+    if plan is None:
+        plan = meta.plans[isa] = ext.attention_plan(
+            isa, query.shape[1], query.shape[0], kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table
+        )
+    ext.paged_attention_planned(
+        plan,
         query,
         kv_cache,
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_table,
-        meta.num_decodes,
-        meta.max_query_len,
-        meta.max_seq_len,
         float(scale),
         float(k_scale),
         float(v_scale),

@@ -42,9 +42,8 @@ class CPUAttentionMetadata:
     # Host-side copies, so kernels that loop in Python (the ref kernel) avoid .tolist() per layer.
     query_start_loc_list: Optional[list[int]] = None
     seq_lens_list: Optional[list[int]] = None
-    # Native kernel plans for this batch, keyed by the layer shape they were built for
-    # (dispatch.paged_attention); empty until the first layer's call.
-    plans: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Native kernel plans for this batch by ISA (dispatch.paged_attention); empty until the first layer's call.
+    plans: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:
