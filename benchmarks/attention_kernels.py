@@ -20,8 +20,10 @@ from typing import Callable
 
 import torch
 
-from engine.attention.backends.cpu import CPUAttentionMetadata, allocate_kv_cache, kv_cache_torch_dtype
-from engine.attention.kernels import native, ops, ref
+from engine.attention import dispatch
+from engine.attention.kernels import ref
+from engine.attention.metadata import CPUAttentionMetadata, metadata_from_lens
+from engine.kv_cache.layout import allocate_kv_cache, kv_cache_torch_dtype
 
 
 def _time(fn: Callable[[], None], min_time: float, max_iters: int = 2000) -> float:
@@ -68,24 +70,8 @@ def build_batch(
     for i, nb in enumerate(blocks_per_req):
         block_table[i, :nb] = perm[k : k + nb]
         k += nb
-    qsl = [0]
-    for n in q_lens:
-        qsl.append(qsl[-1] + n)
-    query = torch.randn(qsl[-1], num_heads, head_size, generator=g).to(dtype)
-    num_decodes = sum(1 for n in q_lens if n == 1)
-    meta = CPUAttentionMetadata(
-        num_actual_tokens=qsl[-1],
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_list=qsl,
-        seq_lens_list=list(seq_lens),
-    )
+    meta = metadata_from_lens(q_lens, seq_lens, block_table)
+    query = torch.randn(meta.num_actual_tokens, num_heads, head_size, generator=g).to(dtype)
     return query, kv_cache, meta
 
 
@@ -99,18 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-size", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=sorted(native.KV_CACHE_DTYPES))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=sorted(dispatch.KV_CACHE_DTYPES))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     cache_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
-    available = native.available_isas()
-    wanted = [s for s in args.isas.split(",") if s] or [i for i in ops.ISAS[:-1] if i in available]
+    available = dispatch.available_isas()
+    wanted = [s for s in args.isas.split(",") if s] or [i for i in dispatch.ISAS[:-1] if i in available]
     isas = [
         i
         for i in wanted
-        if i in available and native.supports(i, dtype, args.block_size, args.head_size, args.kv_cache_dtype)
+        if i in available and dispatch.supports(i, dtype, args.block_size, args.head_size, args.kv_cache_dtype)
     ]
     skipped = sorted(set(wanted) - set(isas))
     print(
@@ -136,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         out_ref = torch.empty_like(query)
 
         def run_ref() -> None:
-            ops.paged_attention("ref", query, kv_cache, meta, scale, args.kv_cache_dtype, k_scale, v_scale, out_ref)
+            dispatch.paged_attention("ref", query, kv_cache, meta, scale, args.kv_cache_dtype, k_scale, v_scale, out_ref)
 
         t_ref = _time(run_ref, args.min_time)
         print(f"{name:<24}{'ref':<8}{t_ref * 1e6:>10.1f}us{1.0:>8.2f}x{'':>11}")
@@ -144,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             out = torch.empty_like(query)
 
             def run_native(isa: str = isa, out: torch.Tensor = out) -> None:
-                ops.paged_attention(isa, query, kv_cache, meta, scale, args.kv_cache_dtype, k_scale, v_scale, out)
+                dispatch.paged_attention(isa, query, kv_cache, meta, scale, args.kv_cache_dtype, k_scale, v_scale, out)
 
             t = _time(run_native, args.min_time)
             diff = (out.float() - out_ref.float()).abs().max().item()
@@ -159,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         slots = torch.randperm(nb * B, generator=g)[:T].to(torch.int64)
 
         def write_ref() -> None:
-            ops.reshape_and_cache("ref", key, value, kv_cache, slots, args.kv_cache_dtype, k_scale, v_scale)
+            dispatch.reshape_and_cache("ref", key, value, kv_cache, slots, args.kv_cache_dtype, k_scale, v_scale)
 
         t_ref = _time(write_ref, args.min_time)
         print(f"{name:<24}{'ref':<8}{t_ref * 1e6:>10.1f}us{1.0:>8.2f}x{'':>11}")
         for isa in isas[:1]:  # one C++ implementation serves every ISA
 
             def write_native(isa: str = isa) -> None:
-                ops.reshape_and_cache(isa, key, value, kv_cache, slots, args.kv_cache_dtype, k_scale, v_scale)
+                dispatch.reshape_and_cache(isa, key, value, kv_cache, slots, args.kv_cache_dtype, k_scale, v_scale)
 
             t = _time(write_native, args.min_time)
             print(f"{name:<24}{'native':<8}{t * 1e6:>10.1f}us{t_ref / t:>8.2f}x{'':>11}")

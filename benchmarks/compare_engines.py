@@ -49,7 +49,7 @@ def llama_binary(a: argparse.Namespace) -> str:
 
 def start_llama(a: argparse.Namespace, port: int) -> ServerProcess:
     """llama-server on ``a.gguf`` with 32 slots of 2,048 tokens and 2 threads."""
-    from engine.attention.kernels.ops import cpu_flags
+    from engine.attention.dispatch import cpu_flags
 
     # ggml's AMX matmul (which repacking selects on CPUs with AMX) crashes llama-server at start-up on
     # the KVM Xeon hosts (HISTORY.md); --no-repack keeps the plain CPU kernels, `--llama-args --repack`

@@ -1,9 +1,8 @@
 """Configuration dataclasses: the one place every tunable lives.
 
-The CLI (``service/__main__.py``) and the offline ``LLM`` class both build an ``EngineConfig``;
-nothing below the engine reads flags.  A few environment variables are still read where they
-act (OMP_NUM_THREADS here, CPUSERVE_* overrides in the kernels, quantization and native build);
-they are to move into one registry, engine/envs.py.
+The CLI (``service/__main__.py``) and the offline ``LLM`` class both build an
+``EngineConfig``.  Environment variables are read through ``engine/envs.py`` (the one registry
+of them), not here: only ``default_num_threads`` consults one (``OMP_NUM_THREADS``).
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from engine import envs
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2")
@@ -62,9 +63,9 @@ def default_kv_cache_gb() -> float:
 
 def default_num_threads() -> int:
     """Threads for the model: the cores this process may use (cgroup affinity), from OMP_NUM_THREADS if set."""
-    env = os.environ.get("OMP_NUM_THREADS")
-    if env and env.isdigit() and int(env) > 0:
-        return int(env)
+    env = envs.OMP_NUM_THREADS
+    if env is not None:
+        return env
     return max(1, len(os.sched_getaffinity(0)))
 
 
@@ -81,12 +82,12 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_gb: Optional[float] = None  # None: default_kv_cache_gb()
     # "auto": int8 for bfloat16 runs where a native attention path reads it in place (AVX-512 VNNI,
-    # AVX2), else the run dtype (the engine resolves it: backends.cpu.resolve_kv_cache_dtype); "bfloat16" /
+    # AVX2), else the run dtype (the engine resolves it: kv_cache.layout.resolve_kv_cache_dtype); "bfloat16" /
     # "float32": the run dtype, unrounded; "int8": one scale per token and kv head; "fp8_e4m3", "fp8_e5m2".
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # Finished requests' blocks kept as cached prefixes before the pool recycles them instead of
-    # touching more of its memory (kv_cache.BlockPool); None: 1/32 of the pool, at least one full
+    # touching more of its memory (kv_cache.block_pool.BlockPool); None: 1/32 of the pool, at least one full
     # context, at most PREFIX_CACHE_MAX_GB.  The pool's resident part then stops at the peak of live
     # blocks plus this; the server's warm-up makes this much resident up front
     # (LLMEngine.prefault_kv_cache).

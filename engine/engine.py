@@ -18,11 +18,12 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from engine import process
-from engine.attention.backends.cpu import kv_cache_torch_dtype, resolve_kv_cache_dtype
-from engine.config import PREFIX_CACHE_MAX_GB, EngineConfig, default_kv_cache_gb, default_model_name
-from engine.kv_cache import KVCacheManager
+from engine.attention.dispatch import int8_decodes_in_place
+from engine.config import EngineConfig, default_model_name
+from engine.kv_cache import KVCacheManager, sizing
+from engine.kv_cache.layout import resolve_kv_cache_dtype
 from engine.loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
+from engine.model_runner import ModelRunner, RunnerOutput
 from engine.output_processor import OutputProcessor, request_stats
 from engine.quant.attach import attach_quantized_weights, skip_dense
 from engine.request import CompletionDelta, Request, RequestStatus, SamplingParams, choice_requests
@@ -56,9 +57,8 @@ class LLMEngine:
         self.model_config = loaded.config
         # "auto" KV cache resolved for this model and CPU, on a copy: everything below (the layers,
         # block sizing, the start-up log) reads the storage type it gets.
-        kv_dtype = resolve_kv_cache_dtype(
-            config.cache.kv_cache_dtype, config.torch_dtype, config.cache.block_size, loaded.config.head_dim
-        )
+        int8_in_place = int8_decodes_in_place(config.torch_dtype, config.cache.block_size, loaded.config.head_dim)
+        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.torch_dtype, int8_in_place)
         config = self.config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype=kv_dtype))
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_model_name or default_model_name(loaded.source)
@@ -112,32 +112,13 @@ class LLMEngine:
     @property
     def kv_block_bytes(self) -> int:
         """Bytes of one KV-cache block over all layers (keys, values, int8 scales)."""
-        cache_dtype = kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.config.torch_dtype)
-        return kv_bytes_per_block(self.model_config, self.config.cache.block_size, cache_dtype)
+        return sizing.kv_block_bytes(self.config, self.model_config)
 
     def _num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        gb = cache.kv_cache_gb if cache.kv_cache_gb is not None else default_kv_cache_gb()
-        num = int(gb * 2**30) // self.kv_block_bytes
-        min_blocks = -(-self.max_model_len // cache.block_size)
-        if num < min_blocks:
-            raise ValueError(
-                f"--kv-cache-gb {gb:g} holds {num * cache.block_size} tokens, fewer than one full context "
-                f"({self.max_model_len}); raise it or lower --max-model-len"
-            )
-        return num
+        return sizing.num_blocks(self.config, self.model_config, self.max_model_len)
 
     def _prefix_cache_blocks(self, num_blocks: int) -> int:
-        """Released blocks the pool keeps as cached prefixes before recycling them (see CacheConfig):
-        by default 1/32 of the pool, at least one full context, at most PREFIX_CACHE_MAX_GB."""
-        cache = self.config.cache
-        if cache.prefix_cache_gb is not None:
-            return min(num_blocks, int(cache.prefix_cache_gb * 2**30) // self.kv_block_bytes)
-        one_context = -(-self.max_model_len // cache.block_size)
-        cap = max(1, int(PREFIX_CACHE_MAX_GB * 2**30) // self.kv_block_bytes)
-        return min(num_blocks, max(num_blocks // 32, one_context), cap)
+        return sizing.prefix_cache_blocks(self.config, self.model_config, self.max_model_len, num_blocks)
 
     # --- requests -----------------------------------------------------------------------
 

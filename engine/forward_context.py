@@ -11,7 +11,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from engine.attention.backends.cpu import CPUAttentionMetadata
+from engine.attention.metadata import CPUAttentionMetadata
 
 
 @dataclass

@@ -1,31 +1,26 @@
 """Scheduler output -> model inputs -> logits -> sampled tokens.
 
-Owns the model weights and the KV-cache tensors (one per layer, shaped
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]``).  Each step it builds
-the flattened input ids, positions, slot mapping, query start locations,
-sequence lengths and block tables, runs the model once, and computes logits only
-for rows that sample (plus prompt rows of requests that asked for prompt logprobs).
+Owns the model weights and the KV-cache tensors (one per layer, laid out as
+``engine/kv_cache/layout.py`` says, bound to the attention layers).  Each step it builds
+the flattened input ids and the attention metadata (positions, slot mapping, query start
+locations, sequence lengths, block tables: ``attention/metadata.py``), runs the model once
+under a forward context carrying that metadata, and computes logits only for rows that
+sample (plus prompt rows of requests that asked for prompt logprobs).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Collection, Optional
 
-import numpy as np
 import torch
 
-from engine.attention.backends.cpu import (
-    CPUAttentionMetadata,
-    allocate_kv_cache,
-    kv_cache_bytes_per_block,
-    kv_cache_torch_dtype,
-)
+from engine.attention.metadata import CPUAttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_context import ForwardContext, set_forward_context
+from engine.kv_cache.layout import allocate_kv_cache, kv_cache_torch_dtype
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Logprob, Request
 from engine.sampler import fused_rows, sample, top_logprobs
@@ -51,11 +46,6 @@ class RunnerOutput:
     logprobs: dict[str, Logprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Optional[Logprob]]] = field(default_factory=dict)  # appended chunk by chunk
     timings: StepTimings = field(default_factory=StepTimings)
-
-
-def kv_bytes_per_block(model: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
-    per_layer = kv_cache_bytes_per_block(block_size, model.num_key_value_heads, model.head_dim, cache_dtype)
-    return model.num_hidden_layers * per_layer
 
 
 class ModelRunner:
@@ -104,28 +94,15 @@ class ModelRunner:
     # --- one step -----------------------------------------------------------------------
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, CPUAttentionMetadata, list[int]]:
-        """The batch as tensors: token ids, positions, attention metadata, and the rows needing logits.
-
-        Positions and slots are computed for the whole batch at once (32 decodes: 129 us of
-        Python building them request by request, 42 us this way).
-        """
-        bs = self.block_size
+        """The batch as tensors: token ids [T], positions [T], attention metadata, and the rows needing logits."""
         scheduled = out.scheduled
-        num_reqs = len(scheduled)
         starts = [s.request.num_computed_tokens for s in scheduled]
         counts = [s.num_new_tokens for s in scheduled]
-        query_start = [0, *itertools.accumulate(counts)]
-        seq_lens = [a + n for a, n in zip(starts, counts)]
-        max_blocks = max((len(s.block_ids) for s in scheduled), default=1)
-        block_table = np.array([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled], dtype=np.int32)
-        num_tokens = query_start[-1]
+        meta, positions = build_attention_metadata(starts, counts, [s.block_ids for s in scheduled], self.block_size)
+        query_start = meta.query_start_locs()
         ids: list[int] = []
         for s, a, n in zip(scheduled, starts, counts):
             ids.extend(s.request.all_token_ids[a : a + n])
-        rows = np.repeat(np.arange(num_reqs), counts)  # the request of each token
-        offsets = np.array(starts, dtype=np.int64) - np.array(query_start[:-1], dtype=np.int64)
-        positions = np.arange(num_tokens, dtype=np.int64) + offsets[rows]
-        slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         logit_rows: list[int] = []
         for i, s in enumerate(scheduled):
             req = s.request
@@ -133,21 +110,7 @@ class ModelRunner:
                 logit_rows.extend(range(query_start[i], query_start[i + 1]))
             elif s.samples:
                 logit_rows.append(query_start[i + 1] - 1)
-        num_decodes = sum(1 for n in counts if n == 1)
-        meta = CPUAttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=torch.from_numpy(block_table),
-            slot_mapping=torch.from_numpy(slots),
-            max_query_len=max(counts, default=0),
-            max_seq_len=max(seq_lens, default=0),
-            query_start_loc_list=query_start,
-            seq_lens_list=seq_lens,
-        )
-        return torch.tensor(ids, dtype=torch.long), torch.from_numpy(positions), meta, logit_rows
+        return torch.tensor(ids, dtype=torch.long), positions, meta, logit_rows
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

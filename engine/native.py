@@ -30,6 +30,8 @@ import sys
 from types import ModuleType
 from typing import Iterator, Optional
 
+from engine import envs
+
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
@@ -43,7 +45,7 @@ _MANIFEST = "prebuilt.json"
 
 
 def build_dir() -> str:
-    return os.environ.get("CPUSERVE_BUILD_DIR") or os.path.join(_REPO, "build", "native")
+    return envs.CPUSERVE_BUILD_DIR or os.path.join(_REPO, "build", "native")
 
 
 def _sources() -> list[str]:
@@ -139,7 +141,7 @@ def _own_ninja() -> Iterator[None]:
 @functools.lru_cache(maxsize=1)
 def load(verbose: bool = False) -> Optional[ModuleType]:
     """The compiled extension, or None (with one warning) when it cannot be built here."""
-    if os.environ.get("CPUSERVE_NATIVE", "1") == "0":
+    if not envs.CPUSERVE_NATIVE:
         return None
     sources = _sources()
     if not sources:

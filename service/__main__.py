@@ -19,6 +19,7 @@ from typing import Mapping, Optional, Sequence
 import uvicorn
 
 import service
+from engine import envs
 from engine.config import (
     KV_CACHE_DTYPES,
     LARGE_BATCH_MATMULS,
@@ -34,7 +35,6 @@ from service.config import DEFAULT_MAX_REQUEST_BYTES, ServiceConfig
 from service.logs import LOG_FORMATS
 from service.logs import configure as configure_logging
 
-ENV_PREFIX = "CPUSERVE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # Idle keep-alive connections stay open this long.  Longer than clients keep them (httpx and the
 # openai client: 5 s; load balancers: 60 s), so a client never sends a request on a connection the
@@ -43,22 +43,17 @@ KEEP_ALIVE_S = 75
 logger = logging.getLogger("service")
 
 
-def env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
-
-
 def build_parser(env: Optional[Mapping[str, str]] = None) -> argparse.ArgumentParser:
-    env = os.environ if env is None else env
     parser = argparse.ArgumentParser(
         prog="python -m service",
         description="cpuserve: an OpenAI-compatible completions server for CPU hosts.",
         epilog=f"Each flag can also be set through the environment variable shown with it "
-        f"({ENV_PREFIX}<FLAG>, e.g. {ENV_PREFIX}API_KEY); the command line wins.",
+        f"({envs.FLAG_ENV_PREFIX}<FLAG>, e.g. {envs.flag_env_name('--api-key')}); the command line wins.",
     )
 
     def add(flag: str, help: str, **kwargs) -> None:  # noqa: A002, ANN003
-        name = env_name(flag)
-        value = env.get(name)
+        name = envs.flag_env_name(flag)
+        value = envs.flag_env_value(flag, env)
         if value:
             # argparse converts string defaults with `type` but never checks them against `choices`
             convert, choices = kwargs.get("type", str), kwargs.get("choices")

@@ -15,10 +15,10 @@ Never set the variable in production: any client could then stop the server with
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Mapping, Optional
 
+from engine import envs
 from engine.engine import LLMEngine
 from engine.scheduler import SchedulerOutput
 
@@ -40,7 +40,7 @@ class InjectedEngineDeath(BaseException):
 
 
 def enabled(env: Optional[Mapping[str, str]] = None) -> bool:
-    return (os.environ if env is None else env).get(ENV) == "1"
+    return envs.read(ENV, env)
 
 
 def install(engine: LLMEngine) -> None:

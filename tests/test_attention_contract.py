@@ -9,16 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.backends.cpu import (
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadata,
-    split_kv_cache,
-)
+from engine.attention.backends.cpu import CPUAttentionBackend, CPUAttentionBackendImpl
+from engine.attention.metadata import CPUAttentionMetadata
 from engine.attention.layer import Attention, AttentionType
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.forward_context import ForwardContext, set_forward_context
+from engine.kv_cache.layout import split_kv_cache
 from engine.request import SamplingParams
 from tests.tiny_models import make_tiny_hf_model
 
@@ -166,24 +163,24 @@ def test_encoder_only_attends_without_the_cache():
 
 
 def test_a_native_kernel_that_fails_its_self_check_is_not_selected(monkeypatch):
-    from engine.attention.kernels import native, ops
+    from engine.attention import dispatch
 
-    isas = native.available_isas()
+    isas = dispatch.available_isas()
     if not isas:
         pytest.skip("no native attention kernels on this host")
-    best = ops.select_isa(torch.bfloat16, 16, 64, "auto")
-    assert best in isas and ops.self_check(best, torch.bfloat16, 16, 64, "auto")
-    ops.self_check.cache_clear()
-    original = native.paged_attention
+    best = dispatch.select_isa(torch.bfloat16, 16, 64, "auto")
+    assert best in isas and dispatch.self_check(best, torch.bfloat16, 16, 64, "auto")
+    dispatch.self_check.cache_clear()
+    original = dispatch.paged_attention
 
     def broken(isa, query, kv_cache, meta, scale, kv_cache_dtype, k_scale, v_scale, output):
         original(isa, query, kv_cache, meta, scale, kv_cache_dtype, k_scale, v_scale, output)
         if isa == best:
             output.mul_(1.5)  # a miscompiled or misbehaving path
 
-    monkeypatch.setattr(native, "paged_attention", broken)
+    monkeypatch.setattr(dispatch, "paged_attention", broken)
     try:
-        fallback = ops.select_isa(torch.bfloat16, 16, 64, "auto")
+        fallback = dispatch.select_isa(torch.bfloat16, 16, 64, "auto")
         assert fallback != best
     finally:
-        ops.self_check.cache_clear()
+        dispatch.self_check.cache_clear()

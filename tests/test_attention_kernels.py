@@ -16,11 +16,14 @@ import sys
 import pytest
 import torch
 
-from engine.attention.backends.cpu import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa, allocate_kv_cache
-from engine.attention.kernels import native, ops, ref
+from engine.attention import dispatch
+from engine.attention.backends.cpu import CPUAttentionBackendImpl, _get_attn_isa
+from engine.attention.kernels import ref
+from engine.attention.metadata import metadata_from_lens
+from engine.kv_cache.layout import allocate_kv_cache, int8_row_scales
 
-NATIVE = native.available_isas()
-COMPILED = set(native._ext().attention_isas()) if NATIVE else set()
+NATIVE = dispatch.available_isas()
+COMPILED = set(dispatch._ext().attention_isas()) if NATIVE else set()
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 QUANT = {**FP8, "int8": torch.int8}
 
@@ -90,43 +93,28 @@ def make_case(q_seq, H, Hkv, D, B, dtype, cache_dtype, seed=0, q_scale=2.0, stri
     for i, nb in enumerate(nblocks):
         bt[i, :nb] = perm[k : k + nb]
         k += nb
-    qsl = [0]
-    for q, _ in q_seq:
-        qsl.append(qsl[-1] + q)
-    T = qsl[-1]
+    meta = metadata_from_lens([q for q, _ in q_seq], [s for _, s in q_seq], bt)
+    T = meta.num_actual_tokens
     if strided_query:  # a view of a fused qkv projection, as the model passes it
         qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=g) * q_scale).to(dtype)
         query = qkv[:, : H * D].view(T, H, D)
     else:
         query = (torch.randn(T, H, D, generator=g) * q_scale).to(dtype)
-    meta = CPUAttentionMetadata(
-        num_actual_tokens=T,
-        num_decodes=sum(1 for q, _ in q_seq if q == 1),
-        num_decode_tokens=sum(1 for q, _ in q_seq if q == 1),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor([s for _, s in q_seq], dtype=torch.int32),
-        block_table=bt,
-        slot_mapping=torch.zeros(T, dtype=torch.int64),
-        max_query_len=max(q for q, _ in q_seq),
-        max_seq_len=max(s for _, s in q_seq),
-        query_start_loc_list=qsl,
-        seq_lens_list=[s for _, s in q_seq],
-    )
     return query, kv, meta
 
 
 def run_both(isa, query, kv, meta, D, kv_cache_dtype, k_scale, v_scale):
     scale = D**-0.5
     expected = torch.empty(query.shape, dtype=query.dtype)
-    ops.paged_attention("ref", query, kv, meta, scale, kv_cache_dtype, k_scale, v_scale, expected)
+    dispatch.paged_attention("ref", query, kv, meta, scale, kv_cache_dtype, k_scale, v_scale, expected)
     got = torch.full(query.shape, float("nan"), dtype=query.dtype)
-    ext = native._ext()
+    ext = dispatch._ext()
     ext.attention_set_bf16_dot("fma" if isa == "vec512_fma" else "dpbf16")
     try:
         if isa == "amx_emu":
-            native.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, k_scale, v_scale, got)
+            dispatch.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, k_scale, v_scale, got)
         else:
-            ops.paged_attention(_base(isa), query, kv, meta, scale, kv_cache_dtype, k_scale, v_scale, got)
+            dispatch.paged_attention(_base(isa), query, kv, meta, scale, kv_cache_dtype, k_scale, v_scale, got)
     finally:
         ext.attention_set_bf16_dot("auto")
     return got, expected
@@ -135,7 +123,7 @@ def run_both(isa, query, kv, meta, D, kv_cache_dtype, k_scale, v_scale):
 def int8_products(isa, kv_cache_dtype):
     """Whether ``isa`` rounds queries to int8 (and, for decode rows, probabilities to u8) over this
     cache (vec512's VNNI paths, which AMX hands its decode units to), which the reference does not."""
-    return kv_cache_dtype == "int8" and _base(isa) in ("vec512", "amx") and "avx512_vnni" in ops.cpu_flags()
+    return kv_cache_dtype == "int8" and _base(isa) in ("vec512", "amx") and "avx512_vnni" in dispatch.cpu_flags()
 
 
 def assert_close(got, expected, int8_products=False):
@@ -161,7 +149,7 @@ def assert_close(got, expected, int8_products=False):
 @pytest.mark.parametrize("isa", ["amx", "vec512", "vec512_fma", "vec256"])
 def test_paged_attention_matches_ref(isa, dtype, kv_cache_dtype, head_size, gqa, block_size):
     _need(isa)
-    if not native.supports(_base(isa), dtype, block_size, head_size, kv_cache_dtype):
+    if not dispatch.supports(_base(isa), dtype, block_size, head_size, kv_cache_dtype):
         pytest.skip(f"{isa} does not serve {dtype} models")
     Hkv = 2
     cache_dtype = QUANT.get(kv_cache_dtype, dtype)
@@ -217,7 +205,7 @@ def test_thread_counts_and_context_splits(isa, num_threads, dtype, threads):
     """Few long requests are split across threads (flash decoding) and merged; the
     result must not depend on the thread count."""
     _need(isa)
-    if not native.supports(_base(isa), dtype, 16, 64, "auto"):
+    if not dispatch.supports(_base(isa), dtype, 16, 64, "auto"):
         pytest.skip(f"{isa} does not serve {dtype} models")
     threads(num_threads)
     for q_seq in ([(1, 2000)], [(1, 129), (1, 1000)], [(3, 900)], [(1, 7), (40, 40)]):
@@ -258,7 +246,7 @@ def test_other_block_sizes(isa, block_size, kv_cache_dtype):
     """Key tiles of 32 straddle or split blocks of any size (an int8 cache's decode path reads a
     tile's rows and scales 16 rows of a block at a time)."""
     _need(isa)
-    if not native.supports(_base(isa), torch.bfloat16, block_size, 64, kv_cache_dtype):
+    if not dispatch.supports(_base(isa), torch.bfloat16, block_size, 64, kv_cache_dtype):
         pytest.skip(f"{isa} does not take block size {block_size}")
     cache_dtype = QUANT.get(kv_cache_dtype, torch.bfloat16)
     query, kv, meta = make_case(MIXED, 6, 2, 64, block_size, torch.bfloat16, cache_dtype, seed=block_size)
@@ -288,7 +276,7 @@ def int8_products_emulated(query, kv, meta, scale, bf16_pv=False):
     H, D = query.shape[1], query.shape[2]
     Hkv, B = kv.shape[1], kv.shape[2]
     G = H // Hkv
-    row_scales = ref.int8_row_scales(kv)
+    row_scales = int8_row_scales(kv)
     out = torch.empty(query.shape, dtype=torch.float32)
     for i, L in enumerate(meta.seq_lens_list):
         t0, t1 = meta.query_start_loc_list[i], meta.query_start_loc_list[i + 1]
@@ -341,17 +329,17 @@ def test_int8_cache_path_arithmetic(head_size, gqa, dtype, bf16_dot):
     offset or scale through.  Both prompt P . V paths: dpbf16 (a bf16 model's, where the CPU runs
     it as fast as an FMA) and fp32 FMAs."""
     _need("vec512")
-    if "avx512_vnni" not in ops.cpu_flags():
+    if "avx512_vnni" not in dispatch.cpu_flags():
         pytest.skip("the int8 paths need AVX512-VNNI")
     if dtype == torch.float32 and bf16_dot == "dpbf16":
         pytest.skip("an fp32 model's prompt P . V is fp32 whatever the bf16 products")
     q_seq = [(1, n) for n in (1, 17, 31, 32, 33, 300, 1500)] + [(5, 5), (21, 21), (30, 97), (70, 300)]
     query, kv, meta = make_case(q_seq, 2 * gqa, 2, head_size, 16, dtype, torch.int8, seed=head_size * gqa)
     got = torch.full(query.shape, float("nan"), dtype=dtype)
-    ext = native._ext()
+    ext = dispatch._ext()
     ext.attention_set_bf16_dot(bf16_dot)
     try:
-        ops.paged_attention("vec512", query, kv, meta, head_size**-0.5, "int8", 1.0, 1.0, got)
+        dispatch.paged_attention("vec512", query, kv, meta, head_size**-0.5, "int8", 1.0, 1.0, got)
     finally:
         ext.attention_set_bf16_dot("auto")
     bf16_pv = dtype == torch.bfloat16 and bf16_dot == "dpbf16"
@@ -392,8 +380,8 @@ def test_reshape_and_cache_matches_ref(dtype, kv_cache_dtype):
         return whole_rows(c).view(torch.uint8).permute(0, 2, 1, 3).reshape(nb * B, -1)
 
     init, expected, got = filled(), filled(), filled()
-    ops.reshape_and_cache("ref", key, value, expected, slots, kv_cache_dtype, k_scale, v_scale)
-    ops.reshape_and_cache(isa, key, value, got, slots, kv_cache_dtype, k_scale, v_scale)
+    dispatch.reshape_and_cache("ref", key, value, expected, slots, kv_cache_dtype, k_scale, v_scale)
+    dispatch.reshape_and_cache(isa, key, value, got, slots, kv_cache_dtype, k_scale, v_scale)
     assert torch.equal(rows(got), rows(expected))
     untouched = torch.ones(nb * B, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
@@ -414,15 +402,15 @@ def test_int8_write_rounding_and_scales(src_dtype):
     x = x.to(src_dtype).view(-1, 1, D)
     caches = [allocate_kv_cache(x.shape[0], 1, 1, D, torch.int8) for _ in range(2)]
     for which, cache in zip(("ref", isa), caches):
-        ops.reshape_and_cache(which, x, -x, cache, torch.arange(x.shape[0]), "int8", 1.0, 1.0)
+        dispatch.reshape_and_cache(which, x, -x, cache, torch.arange(x.shape[0]), "int8", 1.0, 1.0)
     got, expected = caches[1], caches[0]
-    assert torch.equal(got, expected) and torch.equal(ref.int8_row_scales(got), ref.int8_row_scales(expected))
+    assert torch.equal(got, expected) and torch.equal(int8_row_scales(got), int8_row_scales(expected))
     assert got[0, 0, 0, :6].tolist() == [127, 0, 2, 2, -2, -4]  # half to even
     assert got[0, 0, 0, D : D + 6].tolist() == [-127, 0, -2, -2, 2, 4]
-    assert ref.int8_row_scales(got)[0, 0, 0].tolist() == [1.0, 1.0]
-    assert got[1].abs().sum() == 0 and ref.int8_row_scales(got)[1].abs().sum() == 0
+    assert int8_row_scales(got)[0, 0, 0].tolist() == [1.0, 1.0]
+    assert got[1].abs().sum() == 0 and int8_row_scales(got)[1].abs().sum() == 0
     for row in (2, 3):  # dequantised within half a step of the row's largest value
-        scale = ref.int8_row_scales(got)[row, 0, 0, 0]
+        scale = int8_row_scales(got)[row, 0, 0, 0]
         assert (got[row, 0, 0, :D].float() * scale - x[row, 0].float()).abs().max() <= scale / 2 * 1.0001
 
 
@@ -439,8 +427,8 @@ def test_fp8_write_bit_exact_on_random_bit_patterns(kv_cache_dtype, src_dtype):
     cache = torch.zeros(x.shape[0], 1, 1, 128, dtype=FP8[kv_cache_dtype])
     expected = cache.clone()
     slots = torch.arange(x.shape[0])
-    ops.reshape_and_cache("ref", x, x, expected, slots, kv_cache_dtype, 0.37, 1.0)
-    ops.reshape_and_cache(isa, x, x, cache, slots, kv_cache_dtype, 0.37, 1.0)
+    dispatch.reshape_and_cache("ref", x, x, expected, slots, kv_cache_dtype, 0.37, 1.0)
+    dispatch.reshape_and_cache(isa, x, x, cache, slots, kv_cache_dtype, 0.37, 1.0)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
@@ -474,7 +462,7 @@ def test_backend_update_then_forward(kv_cache_dtype):
         outs.append((kv, out))
     assert torch.equal(outs[0][0].view(torch.uint8), outs[1][0].view(torch.uint8))
     if kv_cache_dtype == "int8":
-        assert torch.equal(ref.int8_row_scales(outs[0][0]), ref.int8_row_scales(outs[1][0]))
+        assert torch.equal(int8_row_scales(outs[0][0]), int8_row_scales(outs[1][0]))
     assert_close(outs[0][1], outs[1][1], int8_products=int8_products(native_isa, kv_cache_dtype))
 
 
@@ -513,16 +501,16 @@ def test_forced_isa_env(monkeypatch):
 
 def test_no_extension_means_ref(monkeypatch):
     monkeypatch.delenv("CPUSERVE_ATTN_ISA", raising=False)
-    monkeypatch.setattr(native, "available_isas", lambda: frozenset())
+    monkeypatch.setattr(dispatch, "available_isas", lambda: frozenset())
     assert _get_attn_isa(torch.bfloat16, 16, 64) == "ref"
 
 
 def test_available_isas_match_cpu():
-    flags = ops.cpu_flags()
+    flags = dispatch.cpu_flags()
     assert ("vec256" in NATIVE) == ({"avx2", "fma", "f16c"} <= flags)
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags:
         assert "vec512" in NATIVE
-    assert ("amx" in NATIVE) == bool("vec512" in NATIVE and native._ext().cpu_has_amx())
+    assert ("amx" in NATIVE) == bool("vec512" in NATIVE and dispatch._ext().cpu_has_amx())
 
 
 @pytest.mark.parametrize("mode", ["dpbf16", "fma"])
@@ -530,14 +518,14 @@ def test_bf16_dot_override(mode):
     """CPUSERVE_ATTN_BF16_DOT pins vec512's bf16 path (read once per process, so in a fresh one);
     without it the kernel reports which one its timing picked."""
     _need("vec512")
-    code = "from engine.attention.kernels import native; print(native._ext().attention_bf16_dot())"
+    code = "from engine.attention import dispatch; print(dispatch._ext().attention_bf16_dot())"
     env = {**os.environ, "CPUSERVE_ATTN_BF16_DOT": mode}
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, capture_output=True, text=True, check=True)
     assert out.stdout.split()[-1] == mode
-    assert native._ext().attention_bf16_dot() in ("dpbf16", "fma")
+    assert dispatch._ext().attention_bf16_dot() in ("dpbf16", "fma")
     with pytest.raises(RuntimeError, match="must be auto, dpbf16 or fma"):
-        native._ext().attention_set_bf16_dot("amx")
+        dispatch._ext().attention_set_bf16_dot("amx")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
@@ -549,11 +537,11 @@ def test_describe_names_the_path(dtype, kv_cache_dtype):
     text = impl.describe()
     notes = []
     if impl.isa == "vec512" and dtype == torch.bfloat16:
-        notes.append(f"bf16 products: {native._ext().attention_bf16_dot()}")
-    if kv_cache_dtype == "int8" and ops.int8_decode_path(impl.isa):
+        notes.append(f"bf16 products: {dispatch._ext().attention_bf16_dot()}")
+    if kv_cache_dtype == "int8" and dispatch.int8_decode_path(impl.isa):
         notes.append("int8 KV decode: " + ("fp32 FMA" if impl.isa == "vec256" else "VNNI"))
     assert text == (f"{impl.isa} ({'; '.join(notes)})" if notes else impl.isa)
-    if kv_cache_dtype == "int8" and impl.isa == "vec512" and "avx512_vnni" in ops.cpu_flags():
+    if kv_cache_dtype == "int8" and impl.isa == "vec512" and "avx512_vnni" in dispatch.cpu_flags():
         assert text.endswith("int8 KV decode: VNNI)")
 
 
@@ -562,12 +550,34 @@ def test_bad_arguments_raise():
     query, kv, meta = make_case([(1, 40)], 4, 2, 64, 16, torch.bfloat16, torch.bfloat16)
     out = torch.empty_like(query)
     with pytest.raises(RuntimeError, match="unknown attention isa"):
-        native.run("sse9", query, kv, meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
+        dispatch.run("sse9", query, kv, meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
     bad_bt = meta.block_table.clone()
     bad_bt[0, 1] = kv.shape[0]  # block id past the cache
     with pytest.raises(RuntimeError, match="block id out of range"):
-        native.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, bad_bt, 0.1, output=out)
+        dispatch.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, bad_bt, 0.1, output=out)
     with pytest.raises(RuntimeError, match="does not match model dtype"):
-        native.run(isa, query, kv.float(), meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
+        dispatch.run(isa, query, kv.float(), meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
     with pytest.raises(RuntimeError, match="int8 kv cache rows need their scales"):  # no room after the rows
-        native.run(isa, query, kv.to(torch.int8), meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
+        dispatch.run(isa, query, kv.to(torch.int8), meta.query_start_loc, meta.seq_lens, meta.block_table, 0.1, output=out)
+
+
+def test_one_plan_serves_every_layer_of_a_step():
+    """The first layer's call plans the batch and the other layers reuse the plan (same batch, their
+    own query and cache): each gets what the kernel planned for that call alone gives, and a call
+    whose shapes the plan was not built for is refused."""
+    isa = next(i for i in ("amx", "vec512", "vec256") if i in NATIVE)
+    q1, kv1, meta = make_case(MIXED, 8, 2, 64, 16, torch.bfloat16, torch.bfloat16, seed=1)
+    q2, kv2, _ = make_case(MIXED, 8, 2, 64, 16, torch.bfloat16, torch.bfloat16, seed=2)
+    for query, kv in ((q1, kv1), (q2, kv2)):
+        got = torch.empty_like(query)
+        dispatch.paged_attention(isa, query, kv, meta, 0.125, "auto", 1.0, 1.0, got)
+        alone = dispatch.run(isa, query, kv, meta.query_start_loc, meta.seq_lens, meta.block_table, 0.125)
+        assert torch.equal(got, alone)
+    assert len(meta.plans) == 1
+    with pytest.raises(RuntimeError, match="query shape does not match the attention plan"):
+        dispatch.paged_attention(isa, q1[:-1], kv1, meta, 0.125, "auto", 1.0, 1.0, torch.empty_like(q1[:-1]))
+    plan = next(iter(meta.plans.values()))
+    with pytest.raises(RuntimeError, match="built from other metadata tensors"):
+        dispatch._ext().paged_attention_planned(
+            plan, q1, kv1, meta.query_start_loc.clone(), meta.seq_lens, meta.block_table, 0.125, 1.0, 1.0, torch.empty_like(q1)
+        )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.attention.backends.cpu import _get_attn_isa
-from engine.attention.kernels import ops
+from engine.attention import dispatch
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.loader import load_model
@@ -359,7 +359,7 @@ def test_kv_cache_auto_is_int8_where_decode_multiplies_it_as_int8(loaded):
     isa = _get_attn_isa(torch.bfloat16, 16, bf16.config.head_dim, "int8")
     mine = CacheConfig()
     auto = LLMEngine(EngineConfig(model="default", cache=mine), loaded=bf16)
-    assert auto.config.cache.kv_cache_dtype == ("int8" if ops.int8_decode_path(isa) else "bfloat16")
+    assert auto.config.cache.kv_cache_dtype == ("int8" if dispatch.int8_decode_path(isa) else "bfloat16")
     assert mine.kv_cache_dtype == "auto"  # resolved on a copy: the caller's config is not changed
     assert make_engine(loaded, num_blocks=8).config.cache.kv_cache_dtype == "float32"
     blocks = {kv: engine(kv).runner.num_blocks for kv in ("int8", "bfloat16")}

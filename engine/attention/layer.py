@@ -26,6 +26,9 @@ class AttentionType(str, enum.Enum):
 
 
 class Attention(nn.Module):
+    """One attention layer: its backend Impl (kernel chosen at construction), its KV-cache tensor
+    (bound by the model runner) and fp8 scales.  Reads the step's metadata from the forward context."""
+
     backend = CPUAttentionBackend
 
     def __init__(
@@ -74,10 +77,9 @@ class Attention(nn.Module):
         """query [T, H*D], key/value [T, Hkv*D] (or None) -> output [T, H*D].
 
         Callers that already hold per-head views (query [T, H, D], key/value [T, Hkv, D]) and an
-        output buffer shaped like the query pass them as they are, and get the buffer back.  The
-        native decoder layer does: each torch op from Python costs a few microseconds per layer
-        and token, and making the split, the views and the allocation in C++ took batch-1 decode
-        steps from 6.95 to 6.44 ms and 5.66 to 5.24 ms (two runs, alternating in one process).
+        output buffer shaped like the query pass them as they are, and get the buffer back: the
+        native decoder layer makes the split, the views and the buffer in C++, since each torch op
+        issued from Python costs microseconds on every layer of every step.
         """
         ctx = get_forward_context()
         meta = ctx.attn_metadata

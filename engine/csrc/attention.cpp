@@ -1,4 +1,4 @@
-// Paged attention and KV-cache writes for the CPU backend (engine/attention/kernels/native.py).
+// Paged attention and KV-cache writes for the CPU backend (engine/attention/dispatch.py).
 //
 // ISAs (chosen per call by the Python dispatch, checked here against the CPU):
 //   vec256   AVX2 + FMA + F16C, fp32 arithmetic (bf16 / fp8 / int8 widened on load)
@@ -236,8 +236,7 @@ bool bf16_with_fma() {
 UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
   const bool bf16 = p.model_bf16;
   // Decode units over an int8 cache: vec512's VNNI path reads the rows as they are, where AMX tiles
-  // would first dequantise every 32-key tile to bf16 for a handful of query rows (not measured on
-  // AMX hardware yet; on a host without it the VNNI path ran 32 decodes 1.5-1.9x faster than bf16).
+  // would first dequantise every 32-key tile to bf16 for a handful of query rows.
   const bool int8_vnni = p.kv_kind == KvKind::kI8 && cpu_has_vnni();
   const bool int8_decode = int8_vnni && R <= v512::Int8DecodeOps::kMaxRows;
   switch (isa) {
@@ -257,16 +256,8 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
       break;
   }
   if (int8_decode) return &run_unit<v512::Int8DecodeOps>;
-  // Prompt units over an int8 cache: K . q on VNNI, P . V in fp32 (256-query chunks over 256-3000
-  // keys: 0.70-0.83x F32Ops's time, alternating in one process).  Probabilities as u16 in two VNNI
-  // digits were no faster than the FMAs: this Xeon runs one vpdpbusd (64 products) a cycle against
-  // two 16-lane FMAs, so two of them per product match the FMAs, and u8 ones cost prompt accuracy.
-  // Where a dpbf16 costs about one FMA (bf16_with_fma false: AMD Zen 4 / 5), a bf16 model's P . V
-  // runs on dpbf16 instead: 2-core Zen 4, alternating in one process, 4 x 256 queries over 1024
-  // keys 8.52 -> 6.40 ms a layer, 2 x 128 fresh 0.237 -> 0.193, 1 x 256 over 512 1.17 -> 0.93
-  // (all of Bf16Ops, bf16 K . q too: 0.89-0.92x); engine alone, 1024-token prompts' 256-token
-  // chunks 0.90x the time (attention 0.76x), 128-token prompts' 0.99x (0.88x).  Greedy agreement
-  // over the long prompts of benchmarks/quality.py 94.5 -> 94.3%, largest logit difference 4.40 -> 4.31.
+  // Prompt units over an int8 cache: K . q on VNNI, P . V in fp32 FMAs, or in dpbf16 for a bf16 model
+  // where a dpbf16 costs about one FMA (bf16_with_fma false).
   if (int8_vnni && R <= RMAX)
     return bf16 && !bf16_with_fma() ? &run_unit<v512::Int8PrefillOps<true>> : &run_unit<v512::Int8PrefillOps<false>>;
   if (!bf16) return &run_unit<v512::F32Ops>;
@@ -277,12 +268,8 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
 
 // Parts to split a unit's `extent` keys into, when `ngroups` such units share `nt` threads: the
 // count that minimises the busiest thread's tiles, a split costing SPLIT_COST_TILES more (all
-// units taken as alike).  Batch-1 decode of the default model on 2 threads (3 kv heads): no split
-// up to 288 keys, two parts from 320.  The rule it replaced (at least 4 units a thread, parts of at
-// least 128 keys) cut 129-256 keys in two; not splitting those took 1-10% less attention time
-// (engine alone, 128-token prompts, alternating step by step: 0.504 / 0.502 / 0.442 / 0.444 against
-// 0.534 / 0.505 / 0.491 / 0.471 ms a step), and 400 or 1000 keys took the same time as before.  On
-// many cores long contexts still split into about as many parts as there are threads per unit.
+// units taken as alike).  On many cores long contexts split into about as many parts as there
+// are threads per unit.
 int split_count(int64_t ngroups, int nt, int extent) {
   if (nt <= 1) return 1;
   const int64_t tiles = (extent + KT - 1) / KT;
@@ -356,105 +343,92 @@ KvKind kv_kind_of(const at::Tensor& kv_cache, at::ScalarType model) {
 }  // namespace
 }  // namespace cpuserve_attn
 
-void paged_attention(const std::string& isa_name, const at::Tensor& query, const at::Tensor& kv_cache,
-                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
-                     int64_t num_decodes, int64_t max_query_len, int64_t max_seq_len, double scale, double k_scale,
-                     double v_scale, at::Tensor output) {
-  using namespace cpuserve_attn;
-  (void)num_decodes;
-  (void)max_query_len;
-  (void)max_seq_len;
-  const Isa isa = parse_isa(isa_name);
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_size], last dim contiguous");
-  TORCH_CHECK(output.sizes() == query.sizes() && output.stride(2) == 1 && output.scalar_type() == query.scalar_type(),
-              "output must match query");
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "query dtype must be bf16 or fp32");
-  const int H = query.size(1), D = query.size(2);
-  check_kv_cache(kv_cache, D);
-  const int Hkv = kv_cache.size(1), B = kv_cache.size(2);
-  const int64_t NB = kv_cache.size(0);
-  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(D % 16 == 0 && D <= 256, "native attention needs head_size % 16 == 0 and <= 256, got ", D);
+namespace cpuserve_attn {
+namespace {
+
+// What paged attention derives from a step's batch alone: the validated metadata cut into work
+// units.  Every layer of a model has the same heads, head size and cache shape, so one plan per
+// step serves all of them (attention_plan, then paged_attention_planned on each layer).
+struct PlanHeader {
+  int64_t magic;
+  int64_t isa;
+  int64_t H, Hkv, D, B, NB, T, nreq;
+  const void* qsl;  // the metadata tensors the plan was built from (checked on each use)
+  const void* sl;
+  const void* bt;
+  int64_t bt_s;
+  int64_t nt;  // threads the units were split for
+  int64_t nu, nm, part_size;
+};
+constexpr int64_t kPlanMagic = 0x6e616c7061747461;  // "attnplan"
+
+struct BatchPlan {
+  PlanHeader h{};
+  std::vector<WorkUnit> units;
+  std::vector<Merge> merges;
+};
+
+void check_metadata(const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table) {
   for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_table})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->device().is_cpu(), "metadata tensors must be int32 on CPU");
   TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous() && block_table.dim() == 2 &&
                   block_table.stride(1) == 1,
               "metadata tensors must be contiguous");
-  const int nreq = seq_lens.size(0);
-  TORCH_CHECK(query_start_loc.size(0) == nreq + 1 && block_table.size(0) >= nreq, "metadata sizes disagree");
-  const bool bf16 = dtype == at::kBFloat16;
-  const bool amx = isa == Isa::kAmx || isa == Isa::kAmxEmu;
-  TORCH_CHECK(bf16 || !amx, "amx attention needs bf16");
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 && block_table.size(0) >= seq_lens.size(0),
+              "metadata sizes disagree");
+}
 
-  AttnParams p;
-  p.q = query.data_ptr();
-  p.q_st = query.stride(0);
-  p.q_sh = query.stride(1);
-  p.out = output.data_ptr();
-  p.o_st = output.stride(0);
-  p.o_sh = output.stride(1);
-  p.kv = static_cast<const uint8_t*>(kv_cache.data_ptr());
-  p.kv_elt = kv_cache.element_size();
-  p.kv_so = kv_cache.stride(2);
-  p.kv_sh = kv_cache.stride(1);
-  p.kv_sb = kv_cache.stride(0);
-  p.bt = block_table.data_ptr<int32_t>();
-  p.bt_s = block_table.stride(0);
-  p.qsl = query_start_loc.data_ptr<int32_t>();
-  p.sl = seq_lens.data_ptr<int32_t>();
-  p.H = H;
-  p.Hkv = Hkv;
-  p.G = H / Hkv;
-  p.D = D;
-  p.Dp = (D + 31) / 32 * 32;
-  p.B = B;
-  p.scale = static_cast<float>(scale);
-  p.k_scale = static_cast<float>(k_scale);
-  p.v_scale = static_cast<float>(v_scale);
-  p.kv_kind = kv_kind_of(kv_cache, dtype);
-  p.model_bf16 = bf16;
-  const int G = p.G;
-  // AMX prompt units take AMX_UNIT_ROWS query rows.  Every unit converts its keys' K and V tiles
-  // (int8 or bf16 cache -> the tiles' bf16 layouts) for all of its rows, so larger units convert
-  // each key fewer times; 192 rows = 64 tokens of a 3-head GQA group.  2-core Intel host (AMX),
-  // int8 KV, alternating in one process, 64 -> 128 -> 192 -> 256 rows: 4 x 256 queries over 1024
-  // keys 8.34 -> 7.15 -> 6.26 -> 6.32 ms a layer (and 9.62 -> 8.06 -> 6.70 -> 6.87), 1 x 256 over
-  // 1024 2.76 -> 2.22 -> 1.94 -> 1.96, 2 x 256 over 512 2.45 -> 1.83 -> 1.67 -> 1.68, 1 x 128 over
-  // 128 0.17 -> 0.16 -> 0.16 -> 0.17.  The vec512 prompt paths keep UNIT_ROWS: their fp32 O and S
-  // rows outgrow L1 (Int8PrefillOps at 4 x 256 over 1024: 12.3 / 12.1 / 11.0 ms, 1 x 128 over 128:
-  // 0.23 / 0.26 / 0.27), and they are not measured on the AVX-512 hosts without AMX that run them.
+// Validates the batch against the cache's shape and splits it into work units for `isa`.
+void plan_batch(Isa isa, int64_t H, int64_t T, const at::Tensor& kv_cache, const at::Tensor& query_start_loc,
+                const at::Tensor& seq_lens, const at::Tensor& block_table, BatchPlan& plan) {
+  TORCH_CHECK(kv_cache.dim() == 4, "kv cache must be [blocks, kv_heads, block, 2 * head_size]");
+  const int D = kv_cache.size(3) / 2;
+  check_kv_cache(kv_cache, D);
+  const int Hkv = kv_cache.size(1), B = kv_cache.size(2);
+  const int64_t NB = kv_cache.size(0);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(D % 16 == 0 && D <= 256, "native attention needs head_size % 16 == 0 and <= 256, got ", D);
+  check_metadata(query_start_loc, seq_lens, block_table);
+  const int nreq = seq_lens.size(0);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t bt_s = block_table.stride(0);
+  const bool amx = isa == Isa::kAmx || isa == Isa::kAmxEmu;
+  const int G = H / Hkv;
+  // AMX prompt units take AMX_UNIT_ROWS query rows: every unit converts its keys' K and V tiles for
+  // all of its rows, so larger units convert each key fewer times.  The vec512 prompt paths keep
+  // UNIT_ROWS: their fp32 O and S rows outgrow L1 beyond it.
   const int unit_rows = amx ? AMX_UNIT_ROWS : UNIT_ROWS;
   const int mtok = std::max(1, unit_rows / G);
-  p.rows_cap = (std::max(unit_rows, G) + 15) / 16 * 16;
 
-  // Validate the metadata once, outside the parallel region.
-  const int64_t T = query.size(0), maxb = block_table.size(1);
+  const int64_t maxb = block_table.size(1);
   int64_t ngroups = 0;
   for (int i = 0; i < nreq; ++i) {
-    const int q0 = p.qsl[i], q1 = p.qsl[i + 1], seq = p.sl[i];
+    const int q0 = qsl[i], q1 = qsl[i + 1], seq = sl[i];
     TORCH_CHECK(0 <= q0 && q0 <= q1 && q1 <= T, "query_start_loc out of range at request ", i);
     const int qlen = q1 - q0;
     if (qlen == 0) continue;
     TORCH_CHECK(seq >= qlen, "seq_len ", seq, " shorter than query length ", qlen, " at request ", i);
     const int nblk = (seq + B - 1) / B;
     TORCH_CHECK(nblk <= maxb, "block table too short for request ", i);
-    const int32_t* row = p.bt + i * p.bt_s;
+    const int32_t* row = bt + i * bt_s;
     for (int b = 0; b < nblk; ++b) TORCH_CHECK(row[b] >= 0 && row[b] < NB, "block id out of range at request ", i);
     ngroups += static_cast<int64_t>((qlen + mtok - 1) / mtok) * Hkv;
   }
+  const int nt = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+  plan.h = PlanHeader{kPlanMagic, static_cast<int64_t>(isa), H, Hkv, D, B, NB, T, nreq, qsl, sl, bt, bt_s, nt, 0, 0, 0};
   if (ngroups == 0) return;
 
   // Work units: (request, kv head, <= unit_rows query rows); contexts split across threads
   // (flash decoding) when that shortens the busiest thread's share (split_count).
-  const int nt = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
-  std::vector<WorkUnit> units;
-  std::vector<Merge> merges;
+  std::vector<WorkUnit>& units = plan.units;
+  std::vector<Merge>& merges = plan.merges;
   units.reserve(ngroups);
   int64_t part_size = 0;
   for (int i = 0; i < nreq; ++i) {
-    const int qlen = p.qsl[i + 1] - p.qsl[i];
-    const int ctx_off = p.sl[i] - qlen;
+    const int qlen = qsl[i + 1] - qsl[i];
+    const int ctx_off = sl[i] - qlen;
     for (int t0 = 0; t0 < qlen; t0 += mtok) {
       const int t1 = std::min(qlen, t0 + mtok);
       const int R = (t1 - t0) * G;
@@ -482,11 +456,66 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
   }
   if (nt > 1)
     std::stable_sort(units.begin(), units.end(), [](const WorkUnit& a, const WorkUnit& b) { return a.cost > b.cost; });
-  static thread_local std::vector<float> partials;
-  if (static_cast<int64_t>(partials.size()) < part_size) partials.resize(part_size);
-  float* part = partials.data();
+  plan.h.nu = units.size();
+  plan.h.nm = merges.size();
+  plan.h.part_size = part_size;
+}
 
-  const int64_t nu = units.size(), nm = merges.size();
+// Runs a plan's units on one layer: its query, cache and output (shapes checked against the plan).
+void run_plan(const PlanHeader& h, const WorkUnit* units, const Merge* merges, const at::Tensor& query,
+              const at::Tensor& kv_cache, double scale, double k_scale, double v_scale, at::Tensor& output) {
+  const Isa isa = static_cast<Isa>(h.isa);
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_size], last dim contiguous");
+  TORCH_CHECK(output.sizes() == query.sizes() && output.stride(2) == 1 && output.scalar_type() == query.scalar_type(),
+              "output must match query");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "query dtype must be bf16 or fp32");
+  TORCH_CHECK(query.size(0) == h.T && query.size(1) == h.H && query.size(2) == h.D,
+              "query shape does not match the attention plan");
+  check_kv_cache(kv_cache, h.D);
+  TORCH_CHECK(kv_cache.size(0) == h.NB && kv_cache.size(1) == h.Hkv && kv_cache.size(2) == h.B,
+              "kv cache shape does not match the attention plan");
+  const bool bf16 = dtype == at::kBFloat16;
+  const bool amx = isa == Isa::kAmx || isa == Isa::kAmxEmu;
+  TORCH_CHECK(bf16 || !amx, "amx attention needs bf16");
+  if (h.nu == 0) return;
+
+  AttnParams p;
+  p.q = query.data_ptr();
+  p.q_st = query.stride(0);
+  p.q_sh = query.stride(1);
+  p.out = output.data_ptr();
+  p.o_st = output.stride(0);
+  p.o_sh = output.stride(1);
+  p.kv = static_cast<const uint8_t*>(kv_cache.data_ptr());
+  p.kv_elt = kv_cache.element_size();
+  p.kv_so = kv_cache.stride(2);
+  p.kv_sh = kv_cache.stride(1);
+  p.kv_sb = kv_cache.stride(0);
+  p.bt = static_cast<const int32_t*>(h.bt);
+  p.bt_s = h.bt_s;
+  p.qsl = static_cast<const int32_t*>(h.qsl);
+  p.sl = static_cast<const int32_t*>(h.sl);
+  p.H = h.H;
+  p.Hkv = h.Hkv;
+  p.G = h.H / h.Hkv;
+  p.D = h.D;
+  p.Dp = (h.D + 31) / 32 * 32;
+  p.B = h.B;
+  p.scale = static_cast<float>(scale);
+  p.k_scale = static_cast<float>(k_scale);
+  p.v_scale = static_cast<float>(v_scale);
+  p.kv_kind = kv_kind_of(kv_cache, dtype);
+  p.model_bf16 = bf16;
+  const int G = p.G;
+  const int unit_rows = amx ? AMX_UNIT_ROWS : UNIT_ROWS;
+  p.rows_cap = (std::max(unit_rows, G) + 15) / 16 * 16;
+
+  static thread_local std::vector<float> partials;
+  if (static_cast<int64_t>(partials.size()) < h.part_size) partials.resize(h.part_size);
+  float* part = partials.data();
+  const int64_t nu = h.nu, nm = h.nm;
+  const int nt = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
   const int errors_before = emu::g_errors.load();
   if (nt == 1 || nu == 1) {
     for (int64_t u = 0; u < nu; ++u) {
@@ -498,11 +527,8 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
     // Dynamic scheduling, with each thread claiming its next units before it runs the last of the
     // current ones, so that it can prefetch that unit's cache lines meanwhile.  Units are claimed
     // Hkv at a time when there are enough of them (at least 4 claims a thread): a request's kv
-    // heads are consecutive units (same cost, pushed head after head) whose rows lie side by side
-    // in every block, so one thread then reads each block's rows in one sweep, the next unit's
-    // lines right after the current one's.  2-core Zen 4, engine alone, 32 streams, alternating
-    // step by step with one unit a claim: attention 0.92-0.93x, forward 0.97-0.98x (four runs);
-    // 16 streams 0.98x / 0.99x, 8 streams 0.92x / 0.99x.
+    // heads are consecutive units whose rows lie side by side in every block, so one thread then
+    // reads each block's rows in one sweep.
     std::atomic<int64_t> claimed{0};
     const int64_t chunk = nu >= 4 * nt * p.Hkv ? p.Hkv : 1;
 #pragma omp parallel  // the whole team: nt threads (work_spans.h: Team size)
@@ -527,6 +553,60 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
     }
   }
   if (isa == Isa::kAmxEmu) TORCH_CHECK(emu::g_errors.load() == errors_before, "emulated AMX tile shape error");
+}
+
+}  // namespace
+}  // namespace cpuserve_attn
+
+void paged_attention(const std::string& isa_name, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
+                     int64_t num_decodes, int64_t max_query_len, int64_t max_seq_len, double scale, double k_scale,
+                     double v_scale, at::Tensor output) {
+  using namespace cpuserve_attn;
+  (void)num_decodes;
+  (void)max_query_len;
+  (void)max_seq_len;
+  const Isa isa = parse_isa(isa_name);
+  TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, head_size], last dim contiguous");
+  BatchPlan plan;
+  plan_batch(isa, query.size(1), query.size(0), kv_cache, query_start_loc, seq_lens, block_table, plan);
+  run_plan(plan.h, plan.units.data(), plan.merges.data(), query, kv_cache, scale, k_scale, v_scale, output);
+}
+
+at::Tensor attention_plan(const std::string& isa_name, int64_t num_heads, int64_t num_tokens, const at::Tensor& kv_cache,
+                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table) {
+  using namespace cpuserve_attn;
+  BatchPlan plan;
+  plan_batch(parse_isa(isa_name), num_heads, num_tokens, kv_cache, query_start_loc, seq_lens, block_table, plan);
+  const int64_t ub = plan.h.nu * sizeof(WorkUnit), mb = plan.h.nm * sizeof(Merge);
+  at::Tensor out = at::empty({static_cast<int64_t>(sizeof(PlanHeader)) + ub + mb}, at::kByte);
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  std::memcpy(dst, &plan.h, sizeof(PlanHeader));
+  if (ub) std::memcpy(dst + sizeof(PlanHeader), plan.units.data(), ub);
+  if (mb) std::memcpy(dst + sizeof(PlanHeader) + ub, plan.merges.data(), mb);
+  return out;
+}
+
+void paged_attention_planned(const at::Tensor& plan, const at::Tensor& query, const at::Tensor& kv_cache,
+                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                             const at::Tensor& block_table, double scale, double k_scale, double v_scale,
+                             at::Tensor output) {
+  using namespace cpuserve_attn;
+  TORCH_CHECK(plan.scalar_type() == at::kByte && plan.is_contiguous() &&
+                  plan.numel() >= static_cast<int64_t>(sizeof(PlanHeader)),
+              "not an attention plan");
+  const uint8_t* src = plan.data_ptr<uint8_t>();
+  PlanHeader h;
+  std::memcpy(&h, src, sizeof(PlanHeader));
+  TORCH_CHECK(h.magic == kPlanMagic &&
+                  plan.numel() == static_cast<int64_t>(sizeof(PlanHeader) + h.nu * sizeof(WorkUnit) + h.nm * sizeof(Merge)),
+              "not an attention plan");
+  TORCH_CHECK(query_start_loc.data_ptr() == h.qsl && seq_lens.data_ptr() == h.sl && block_table.data_ptr() == h.bt,
+              "the attention plan was built from other metadata tensors");
+  // Aligned: torch allocates at 64 bytes, and the header's size is a multiple of 8.
+  const WorkUnit* units = reinterpret_cast<const WorkUnit*>(src + sizeof(PlanHeader));
+  const Merge* merges = reinterpret_cast<const Merge*>(src + sizeof(PlanHeader) + h.nu * sizeof(WorkUnit));
+  run_plan(h, units, merges, query, kv_cache, scale, k_scale, v_scale, output);
 }
 
 std::vector<std::string> attention_isas() {

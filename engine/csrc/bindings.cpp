@@ -34,6 +34,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- end work_spans.cpp ----
   // ---- attention.cpp ----
   m.def("paged_attention", &paged_attention, "paged attention over the KV cache (writes output)", nogil);
+  m.def("attention_plan", &attention_plan, "a step's attention plan, shared by every layer's paged_attention_planned",
+        nogil);
+  m.def("paged_attention_planned", &paged_attention_planned, "paged attention over a step's plan (writes output)",
+        nogil);
   m.def("reshape_and_cache", &reshape_and_cache, "write new keys/values into their KV-cache slots", nogil);
   m.def("attention_isas", &attention_isas, "attention ISAs usable on this CPU");
   m.def("attention_bf16_dot", &attention_bf16_dot, "how vec512 attention multiplies bf16: dpbf16 or fma");

@@ -48,12 +48,20 @@ torch::Tensor work_spans_trace(int64_t units, int64_t threads, int64_t stalled_t
                                int64_t unit_us);
 // ---- end work_spans.cpp ----
 
-// ---- attention.cpp (paged attention + KV-cache writes; see engine/attention/kernels/native.py) ----
+// ---- attention.cpp (paged attention + KV-cache writes; see engine/attention/dispatch.py) ----
 // isa: "vec256" | "vec512" | "amx" | "amx_emu" (amx on emulated tiles, for tests).
 void paged_attention(const std::string& isa, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
                      int64_t num_decodes, int64_t max_query_len, int64_t max_seq_len, double scale, double k_scale,
                      double v_scale, at::Tensor output);
+// The same in two halves: a step's plan (validated metadata cut into work units, a byte tensor),
+// built once per step, then each layer's attention over it with that step's metadata tensors.
+at::Tensor attention_plan(const std::string& isa, int64_t num_heads, int64_t num_tokens, const at::Tensor& kv_cache,
+                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table);
+void paged_attention_planned(const at::Tensor& plan, const at::Tensor& query, const at::Tensor& kv_cache,
+                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                             const at::Tensor& block_table, double scale, double k_scale, double v_scale,
+                             at::Tensor output);
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
                        const at::Tensor& slot_mapping, double k_scale, double v_scale);
 std::vector<std::string> attention_isas();  // attention ISAs compiled in and runnable on this CPU

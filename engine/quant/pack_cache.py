@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from engine import envs
 from engine.quant import blocks
 from engine.quant.weights import PackedParts, PackedWeight
 
@@ -32,7 +33,7 @@ FORMAT = 1  # of the .bin/.json pair; the packed layout's own version is blocks.
 
 
 def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = envs.XDG_CACHE_HOME or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "cpuserve", "packed")
 
 

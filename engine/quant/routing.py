@@ -10,13 +10,13 @@ benchmarks/HISTORY.md, "Packed-weight routing"); rerun it on hosts with another 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
+from engine import envs
 from engine.quant.blocks import GROUP_ROWS
 
 if TYPE_CHECKING:
@@ -57,9 +57,9 @@ DEFAULT_ACT_BITS = 16
 def default_max_rows(qtype: str = "Q4_1", act_bits: Optional[int] = None, large_act_bits: int = 0) -> int:
     """Largest batch sent to the packed kernel at the weight's own activation precision
     (env CPUSERVE_PACKED_MAX_ROWS overrides)."""
-    env = os.environ.get("CPUSERVE_PACKED_MAX_ROWS")
-    if env:
-        return max(0, int(env))
+    env = envs.CPUSERVE_PACKED_MAX_ROWS
+    if env is not None:
+        return max(0, env)
     bits = default_act_bits() if act_bits is None else act_bits
     if large_act_bits and large_act_bits < bits:
         return MAX_ROWS_BEFORE_INT8
@@ -67,8 +67,8 @@ def default_max_rows(qtype: str = "Q4_1", act_bits: Optional[int] = None, large_
 
 
 def default_act_bits() -> int:
-    env = os.environ.get("CPUSERVE_PACKED_ACT_BITS")
-    return int(env) if env else DEFAULT_ACT_BITS
+    env = envs.CPUSERVE_PACKED_ACT_BITS
+    return env if env is not None else DEFAULT_ACT_BITS
 
 
 def large_batch_packed(model: nn.Module) -> list["Linear"]:
@@ -134,7 +134,7 @@ def tune_rows_int8_min_rows(model: nn.Module, passes: int = 3) -> Optional[int]:
     ]
     if not tuned:
         return None
-    env = os.environ.get("CPUSERVE_ROWS_INT8_MIN_ROWS", "").strip()
+    env = envs.CPUSERVE_ROWS_INT8_MIN_ROWS
     if env:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"CPUSERVE_ROWS_INT8_MIN_ROWS={env!r}: expected a row count (a positive integer)")

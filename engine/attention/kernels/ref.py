@@ -2,12 +2,8 @@
 
 Also the fallback on CPUs or configurations no native kernel covers, so it must
 be correct for every case the backend accepts: fp8 and int8 caches, GQA, mixed
-batches of decodes and prompt chunks that start after cached context.
-
-An int8 cache stores each token's K and V (per kv head) as int8 with one fp32 scale each,
-max|x| / 127, kept right after the row: [K | V | k_scale | v_scale], so its rows are
-``2 * head_size + INT8_SCALE_BYTES`` bytes apart and the cache tensor is the
-``[..., :2 * head_size]`` view of them (``int8_row_scales`` is the view of the scales).
+batches of decodes and prompt chunks that start after cached context.  The cache
+layout (an int8 cache's scales after each row included) is ``engine/kv_cache/layout.py``'s.
 """
 
 from __future__ import annotations
@@ -15,16 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-INT8_SCALE_BYTES = 8  # two fp32 scales after each int8 cache row
-
-
-def int8_row_scales(kv_cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, num_kv_heads, block_size, 2] fp32 view of an int8 cache's (k_scale, v_scale) per row."""
-    nb, hkv, bs, row = kv_cache.shape
-    s0, s1, s2, _ = kv_cache.stride()
-    whole = torch.as_strided(kv_cache, (nb, hkv, bs, s2), (s0, s1, s2, 1))
-    return whole[..., row : row + INT8_SCALE_BYTES].view(torch.float32)
+from engine.kv_cache.layout import int8_row_scales
 
 
 def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
