@@ -20,13 +20,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "amx_tiles.h"
+#include "isa.h"
+#include "vec.h"
 #include "attention_common.h"
 #include "attention_vec256.h"
 #include "attention_vec512.h"
@@ -35,8 +36,7 @@
 // ------------------------------------------------------------------ AMX, real tiles
 
 #if CPUSERVE_HAVE_AMX
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+CPUSERVE_TARGET_BEGIN(CPUSERVE_ISA_AMX_BF16)
 namespace cpuserve_attn {
 namespace amx {
 // tileloadd's asm statement declares no memory input: fence the compiler so the
@@ -64,7 +64,7 @@ namespace amx {
 #undef AMX_RELEASE
 }  // namespace amx
 }  // namespace cpuserve_attn
-#pragma GCC pop_options
+CPUSERVE_TARGET_END
 #endif  // CPUSERVE_HAVE_AMX
 
 // ------------------------------------------------------------------ AMX, emulated tiles
@@ -110,10 +110,7 @@ static void zero(int i) { std::memset(tiles().data[i], 0, sizeof(tiles().data[i]
 static float bf(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return cpuserve::bf16_to_float(h);
 }
 // C[m][n] += sum_k A[m][2k] * B[k][2n] + A[m][2k+1] * B[k][2n+1]   (bf16 in, fp32 out)
 static void dp(int c, int a, int b) {
@@ -138,8 +135,7 @@ static void dp(int c, int a, int b) {
 }  // namespace emu
 }  // namespace cpuserve_attn
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+CPUSERVE_TARGET_BEGIN(CPUSERVE_ISA_AVX512_BF16)
 namespace cpuserve_attn {
 namespace amx_emu {
 #define AMX_CFG(c) emu::cfg(c)
@@ -157,116 +153,83 @@ namespace amx_emu {
 #undef AMX_RELEASE
 }  // namespace amx_emu
 }  // namespace cpuserve_attn
-#pragma GCC pop_options
+CPUSERVE_TARGET_END
 
 // ------------------------------------------------------------------ dispatch and planning
 namespace cpuserve_attn {
 namespace {
 
-enum class Isa { kVec256, kVec512, kAmx, kAmxEmu };
+using cpuserve::cpu_supports;
+using cpuserve::Isa;
 
 using UnitFn = void (*)(const AttnParams&, const WorkUnit&, float*, const WorkUnit*, bool);
 
-bool cpu_has_vec256() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-bool cpu_has_vec512() {
-  static const bool ok = cpu_has_vec256() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("avx512bf16");
-  return ok;
-}
-
+bool cpu_has_vec512() { return cpu_supports(Isa::kAvx512Bf16); }
 // The int8 cache's decode path multiplies int8 keys and queries with vpdpbusd (AVX512-VNNI).
-bool cpu_has_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
+bool cpu_has_vnni() { return cpu_supports(Isa::kAvx512Vnni); }
+
+// The names paged_attention's `isa` takes, and the path (isa.h) each one runs.
+struct IsaName {
+  const char* name;
+  Isa isa;
+};
+constexpr IsaName kIsaNames[] = {
+    {"vec256", Isa::kAvx2}, {"vec512", Isa::kAvx512Bf16}, {"amx", Isa::kAmxBf16}, {"amx_emu", Isa::kAmxBf16Emu}};
 
 Isa parse_isa(const std::string& name) {
-  Isa isa;
-  if (name == "vec256") {
-    isa = Isa::kVec256;
-    TORCH_CHECK(cpu_has_vec256(), "attention isa vec256 needs AVX2 + FMA");
-  } else if (name == "vec512") {
-    isa = Isa::kVec512;
-    TORCH_CHECK(cpu_has_vec512(), "attention isa vec512 needs AVX-512 F/BW/VL/DQ + BF16");
-  } else if (name == "amx") {
-    isa = Isa::kAmx;
-    TORCH_CHECK(CPUSERVE_HAVE_AMX && cpu_has_vec512() && cpu_has_amx(),
-                "attention isa amx needs AMX-BF16 (and Linux permission for it) and a compiler with AMX intrinsics");
-  } else if (name == "amx_emu") {
-    isa = Isa::kAmxEmu;
-    TORCH_CHECK(cpu_has_vec512(), "attention isa amx_emu needs AVX-512 BF16");
-  } else {
-    TORCH_CHECK(false, "unknown attention isa: ", name);
+  for (const IsaName& n : kIsaNames) {
+    if (name != n.name) continue;
+    TORCH_CHECK(cpu_supports(n.isa), "attention isa ", name, " needs ", cpuserve::isa_name(n.isa),
+                " (AMX: with Linux's permission and a compiler with AMX intrinsics)");
+    return n.isa;
   }
-  return isa;
+  TORCH_CHECK(false, "unknown attention isa: ", name);
 }
 
-// Query rows (tokens x GQA group) from which a unit is worth AMX tiles; below, vec512.
-// Not yet tuned on hardware: CPUSERVE_ATTN_AMX_MIN_ROWS overrides it.
-int amx_min_rows() {
-  static const int v = [] {
-    const char* e = std::getenv("CPUSERVE_ATTN_AMX_MIN_ROWS");
-    return e ? std::max(1, std::atoi(e)) : 4;
-  }();
-  return v;
-}
+// Query rows (tokens x GQA group) from which a unit is worth AMX tiles; below, vec512.  Not yet
+// tuned on hardware: attention_set_amx_min_rows (engine/native.py, CPUSERVE_ATTN_AMX_MIN_ROWS) sets it.
+int g_amx_min_rows = 4;
+
+int amx_min_rows() { return g_amx_min_rows; }
 
 // vec512 with a bf16 model: dpbf16 (Bf16DecodeOps, Bf16Ops) or FMAs on bf16 widened to fp32
 // (Bf16FmaDecodeOps; F32Ops's tiles for larger units over a bf16 cache).  Two FMAs do a dpbf16's
 // 32 multiply-adds, so FMAs win where a dpbf16 costs more than ~2 FMAs.  Chosen by timing both
-// once (v512::dpbf16_fma_time_ratio); CPUSERVE_ATTN_BF16_DOT=dpbf16|fma overrides, and tests pin
-// one with attention_set_bf16_dot.
+// once (v512::dpbf16_fma_time_ratio) unless attention_set_bf16_dot pins one (engine/native.py from
+// CPUSERVE_ATTN_BF16_DOT, and tests).  -1: time both; 0: dpbf16; 1: fma.
 int g_forced_bf16_dot = -1;
 
 bool bf16_with_fma() {
   if (g_forced_bf16_dot >= 0) return g_forced_bf16_dot == 1;
-  static const bool fma = [] {
-    const char* e = std::getenv("CPUSERVE_ATTN_BF16_DOT");
-    if (e && std::string(e) == "dpbf16") return false;
-    if (e && std::string(e) == "fma") return true;
-    return v512::dpbf16_fma_time_ratio() > 2.0;
-  }();
+  static const bool fma = v512::dpbf16_fma_time_ratio() > 2.0;
   return fma;
 }
 
 UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
   const bool bf16 = p.model_bf16;
   // Decode units over an int8 cache: vec512's VNNI path reads the rows as they are, where AMX tiles
-  // would first dequantise every 32-key tile to bf16 for a handful of query rows (not measured on
-  // AMX hardware yet; on a host without it the VNNI path ran 32 decodes 1.5-1.9x faster than bf16).
+  // would first dequantise every 32-key tile to bf16 for a handful of query rows.
   const bool int8_vnni = p.kv_kind == KvKind::kI8 && cpu_has_vnni();
   const bool int8_decode = int8_vnni && R <= v512::Int8DecodeOps::kMaxRows;
   switch (isa) {
-    case Isa::kAmx:
+    case Isa::kAmxBf16:
 #if CPUSERVE_HAVE_AMX
       if (bf16 && R >= amx_min_rows() && !int8_decode) return &run_unit<amx::Ops>;
 #endif
       break;
-    case Isa::kAmxEmu:
+    case Isa::kAmxBf16Emu:
       if (bf16) return &run_unit<amx_emu::Ops>;
       break;
-    case Isa::kVec256:
+    case Isa::kAvx2:
       if (bf16 && p.kv_kind == KvKind::kSame && R <= v256::DecodeOps::kMaxRows) return &run_unit<v256::DecodeOps>;
       if (p.kv_kind == KvKind::kI8 && R <= v256::Int8DecodeOps::kMaxRows) return &run_unit<v256::Int8DecodeOps>;
       return &run_unit<v256::Ops>;
-    case Isa::kVec512:
+    case Isa::kAvx512Bf16:
       break;
   }
   if (int8_decode) return &run_unit<v512::Int8DecodeOps>;
-  // Prompt units over an int8 cache: K . q on VNNI, P . V in fp32 (256-query chunks over 256-3000
-  // keys: 0.70-0.83x F32Ops's time, alternating in one process).  Probabilities as u16 in two VNNI
-  // digits were no faster than the FMAs: this Xeon runs one vpdpbusd (64 products) a cycle against
-  // two 16-lane FMAs, so two of them per product match the FMAs, and u8 ones cost prompt accuracy.
-  // Where a dpbf16 costs about one FMA (bf16_with_fma false: AMD Zen 4 / 5), a bf16 model's P . V
-  // runs on dpbf16 instead: 2-core Zen 4, alternating in one process, 4 x 256 queries over 1024
-  // keys 8.52 -> 6.40 ms a layer, 2 x 128 fresh 0.237 -> 0.193, 1 x 256 over 512 1.17 -> 0.93
-  // (all of Bf16Ops, bf16 K . q too: 0.89-0.92x); engine alone, 1024-token prompts' 256-token
-  // chunks 0.90x the time (attention 0.76x), 128-token prompts' 0.99x (0.88x).  Greedy agreement
-  // over the long prompts of benchmarks/quality.py 94.5 -> 94.3%, largest logit difference 4.40 -> 4.31.
+  // Prompt units over an int8 cache: K . q on VNNI, P . V in fp32 FMAs (VNNI probabilities were no
+  // faster, or cost accuracy), or on dpbf16 for a bf16 model where a dpbf16 costs about one FMA.
   if (int8_vnni && R <= RMAX)
     return bf16 && !bf16_with_fma() ? &run_unit<v512::Int8PrefillOps<true>> : &run_unit<v512::Int8PrefillOps<false>>;
   if (!bf16) return &run_unit<v512::F32Ops>;
@@ -277,12 +240,7 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
 
 // Parts to split a unit's `extent` keys into, when `ngroups` such units share `nt` threads: the
 // count that minimises the busiest thread's tiles, a split costing SPLIT_COST_TILES more (all
-// units taken as alike).  Batch-1 decode of the default model on 2 threads (3 kv heads): no split
-// up to 288 keys, two parts from 320.  The rule it replaced (at least 4 units a thread, parts of at
-// least 128 keys) cut 129-256 keys in two; not splitting those took 1-10% less attention time
-// (engine alone, 128-token prompts, alternating step by step: 0.504 / 0.502 / 0.442 / 0.444 against
-// 0.534 / 0.505 / 0.491 / 0.471 ms a step), and 400 or 1000 keys took the same time as before.  On
-// many cores long contexts still split into about as many parts as there are threads per unit.
+// units taken as alike), so short contexts stay whole and long ones split about once per thread.
 int split_count(int64_t ngroups, int nt, int extent) {
   if (nt <= 1) return 1;
   const int64_t tiles = (extent + KT - 1) / KT;
@@ -384,7 +342,7 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
   const int nreq = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == nreq + 1 && block_table.size(0) >= nreq, "metadata sizes disagree");
   const bool bf16 = dtype == at::kBFloat16;
-  const bool amx = isa == Isa::kAmx || isa == Isa::kAmxEmu;
+  const bool amx = isa == Isa::kAmxBf16 || isa == Isa::kAmxBf16Emu;
   TORCH_CHECK(bf16 || !amx, "amx attention needs bf16");
 
   AttnParams p;
@@ -415,15 +373,9 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
   p.kv_kind = kv_kind_of(kv_cache, dtype);
   p.model_bf16 = bf16;
   const int G = p.G;
-  // AMX prompt units take AMX_UNIT_ROWS query rows.  Every unit converts its keys' K and V tiles
-  // (int8 or bf16 cache -> the tiles' bf16 layouts) for all of its rows, so larger units convert
-  // each key fewer times; 192 rows = 64 tokens of a 3-head GQA group.  2-core Intel host (AMX),
-  // int8 KV, alternating in one process, 64 -> 128 -> 192 -> 256 rows: 4 x 256 queries over 1024
-  // keys 8.34 -> 7.15 -> 6.26 -> 6.32 ms a layer (and 9.62 -> 8.06 -> 6.70 -> 6.87), 1 x 256 over
-  // 1024 2.76 -> 2.22 -> 1.94 -> 1.96, 2 x 256 over 512 2.45 -> 1.83 -> 1.67 -> 1.68, 1 x 128 over
-  // 128 0.17 -> 0.16 -> 0.16 -> 0.17.  The vec512 prompt paths keep UNIT_ROWS: their fp32 O and S
-  // rows outgrow L1 (Int8PrefillOps at 4 x 256 over 1024: 12.3 / 12.1 / 11.0 ms, 1 x 128 over 128:
-  // 0.23 / 0.26 / 0.27), and they are not measured on the AVX-512 hosts without AMX that run them.
+  // AMX prompt units take AMX_UNIT_ROWS query rows: every unit converts its keys' K and V tiles
+  // for all of its rows, so larger units convert each key fewer times.  The vec512 prompt paths
+  // keep UNIT_ROWS, since their fp32 O and S rows outgrow L1.
   const int unit_rows = amx ? AMX_UNIT_ROWS : UNIT_ROWS;
   const int mtok = std::max(1, unit_rows / G);
   p.rows_cap = (std::max(unit_rows, G) + 15) / 16 * 16;
@@ -498,11 +450,8 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
     // Dynamic scheduling, with each thread claiming its next units before it runs the last of the
     // current ones, so that it can prefetch that unit's cache lines meanwhile.  Units are claimed
     // Hkv at a time when there are enough of them (at least 4 claims a thread): a request's kv
-    // heads are consecutive units (same cost, pushed head after head) whose rows lie side by side
-    // in every block, so one thread then reads each block's rows in one sweep, the next unit's
-    // lines right after the current one's.  2-core Zen 4, engine alone, 32 streams, alternating
-    // step by step with one unit a claim: attention 0.92-0.93x, forward 0.97-0.98x (four runs);
-    // 16 streams 0.98x / 0.99x, 8 streams 0.92x / 0.99x.
+    // heads are consecutive units whose rows lie side by side in every block, so one thread then
+    // reads each block's rows in one sweep.
     std::atomic<int64_t> claimed{0};
     const int64_t chunk = nu >= 4 * nt * p.Hkv ? p.Hkv : 1;
 #pragma omp parallel  // the whole team: nt threads (work_spans.h: Team size)
@@ -526,18 +475,14 @@ void paged_attention(const std::string& isa_name, const at::Tensor& query, const
       for (int64_t m = 0; m < nm; ++m) merge_splits(p, merges[m], part);
     }
   }
-  if (isa == Isa::kAmxEmu) TORCH_CHECK(emu::g_errors.load() == errors_before, "emulated AMX tile shape error");
+  if (isa == Isa::kAmxBf16Emu) TORCH_CHECK(emu::g_errors.load() == errors_before, "emulated AMX tile shape error");
 }
 
 std::vector<std::string> attention_isas() {
   using namespace cpuserve_attn;
   std::vector<std::string> out;
-  if (cpu_has_vec256()) out.push_back("vec256");
-  if (cpu_has_vec512()) {
-    out.push_back("vec512");
-    out.push_back("amx_emu");
-    if (CPUSERVE_HAVE_AMX && cpu_has_amx()) out.push_back("amx");
-  }
+  for (const IsaName& n : kIsaNames)
+    if (cpu_supports(n.isa)) out.push_back(n.name);
   return out;
 }
 
@@ -545,6 +490,13 @@ std::string attention_bf16_dot() {
   using namespace cpuserve_attn;
   if (!cpu_has_vec512()) return "none";
   return bf16_with_fma() ? "fma" : "dpbf16";
+}
+
+int64_t attention_amx_min_rows() { return cpuserve_attn::amx_min_rows(); }
+
+void attention_set_amx_min_rows(int64_t rows) {
+  using namespace cpuserve_attn;
+  g_amx_min_rows = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, 1 << 20)));
 }
 
 void attention_set_bf16_dot(const std::string& mode) {
