@@ -49,12 +49,12 @@ def llama_binary(a: argparse.Namespace) -> str:
 
 def start_llama(a: argparse.Namespace, port: int) -> ServerProcess:
     """llama-server on ``a.gguf`` with 32 slots of 2,048 tokens and 2 threads."""
-    from engine.attention.dispatch import cpu_flags
+    from engine import platform
 
     # ggml's AMX matmul (which repacking selects on CPUs with AMX) crashes llama-server at start-up on
     # the KVM Xeon hosts (HISTORY.md); --no-repack keeps the plain CPU kernels, `--llama-args --repack`
     # turns it back on.
-    no_repack = ["--no-repack"] if "amx_tile" in cpu_flags() else []
+    no_repack = ["--no-repack"] if platform.has("amx_tile") else []
     cmd = [llama_binary(a), "-m", a.gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", a.served_name,
            "--parallel", "32", "-c", "65536", "-t", "2", "-tb", "2", "--cont-batching", *no_repack,
            *shlex.split(a.llama_args)]

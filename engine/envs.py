@@ -3,9 +3,9 @@
 Read one as an attribute, ``envs.CPUSERVE_ATTN_ISA``: the value is parsed from ``os.environ``
 at that moment (tests set variables with monkeypatch), so callers keep their own caching.
 The server's flags are not listed one by one: each ``--flag`` also reads ``CPUSERVE_<FLAG>``
-(``flag_env_name``, ``flag_env_value``), and README.md's flag table lists them.  The native
-kernels read two variables themselves (``getenv`` in ``engine/csrc/attention.cpp``); they are
-registered here so that this file and README.md's table stay the complete list.
+(``flag_env_name``, ``flag_env_value``), and README.md's flag table lists them.  Two
+variables configure the native kernels; ``engine/native.py`` reads them here and hands them to
+the extension as it loads (the C++ code reads no environment variable).
 tests/test_envs.py checks that every ``CPUSERVE_*`` name in engine/ and service/ is here and in
 README.md.
 """
@@ -26,7 +26,6 @@ class EnvVar:
     default: str  # as documented ("" where unset means a computed default)
     doc: str
     parse: Callable[[Optional[str]], Any]
-    read_by: str = "python"  # "python" or "c++" (the extension reads it with getenv)
 
 
 def _str_lower(raw: Optional[str]) -> str:
@@ -54,9 +53,9 @@ _VARS = (
     EnvVar("CPUSERVE_ATTN_ISA", "str", "", "highest attention kernel selection may pick: `amx`, `vec512`, `vec256`, `ref`",
            _str_lower),
     EnvVar("CPUSERVE_ATTN_BF16_DOT", "str", "", "how `vec512` attention multiplies bf16: `dpbf16` or `fma` (default: timed once)",
-           _str_stripped, read_by="c++"),
+           _str_stripped),
     EnvVar("CPUSERVE_ATTN_AMX_MIN_ROWS", "int", "4", "query rows from which an attention work unit uses AMX tiles (below: vec512)",
-           lambda raw: max(1, int(raw)) if raw else 4, read_by="c++"),
+           lambda raw: max(1, int(raw)) if raw else 4),
     EnvVar("CPUSERVE_PACKED_MAX_ROWS", "int", "", "largest batch the packed low-bit matmul runs at the weight's own activation precision",
            _opt_int),
     EnvVar("CPUSERVE_PACKED_ACT_BITS", "int", "", "activation precision of the packed low-bit matmul", _opt_int),

@@ -138,9 +138,36 @@ def _own_ninja() -> Iterator[None]:
         os.environ["PATH"] = path
 
 
+_BF16_DOT_MODES = ("auto", "dpbf16", "fma")
+
+
+def _configure(module: ModuleType) -> ModuleType:
+    """Hands the extension the settings it takes from the environment, once, as it is loaded:
+    the C++ code reads no environment variable itself.
+
+    ``CPUSERVE_ATTN_BF16_DOT`` (auto | dpbf16 | fma): how vec512 attention multiplies a bf16
+    model's values; ``CPUSERVE_ATTN_AMX_MIN_ROWS`` (int >= 1): the query rows from which an amx
+    attention unit runs on tiles.  A value the extension cannot take is logged and ignored.
+    """
+    dot = envs.CPUSERVE_ATTN_BF16_DOT.lower()
+    if dot and hasattr(module, "attention_set_bf16_dot"):
+        if dot in _BF16_DOT_MODES:
+            module.attention_set_bf16_dot(dot)
+        else:
+            logger.warning("ignoring CPUSERVE_ATTN_BF16_DOT=%r: expected one of %s", dot, ", ".join(_BF16_DOT_MODES))
+    if hasattr(module, "attention_set_amx_min_rows"):
+        try:
+            module.attention_set_amx_min_rows(envs.CPUSERVE_ATTN_AMX_MIN_ROWS)
+        except ValueError:
+            logger.warning("ignoring CPUSERVE_ATTN_AMX_MIN_ROWS=%r: expected an integer",
+                           envs.flag_env_value("--attn-amx-min-rows"))
+    return module
+
+
 @functools.lru_cache(maxsize=1)
 def load(verbose: bool = False) -> Optional[ModuleType]:
-    """The compiled extension, or None (with one warning) when it cannot be built here."""
+    """The compiled extension (configured from the environment, see _configure), or None (with
+    one warning) when it cannot be built here."""
     if not envs.CPUSERVE_NATIVE:
         return None
     sources = _sources()
@@ -149,7 +176,7 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
     try:
         prebuilt = load_prebuilt()
         if prebuilt is not None:
-            return prebuilt
+            return _configure(prebuilt)
         from torch.utils import cpp_extension
 
         os.makedirs(build_dir(), exist_ok=True)
@@ -167,7 +194,7 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
                 write_manifest(module.__file__)
             except OSError as exc:  # still usable now; the next start-up goes through torch again
                 logger.warning("could not record the native build in %s: %s", build_dir(), exc)
-            return module
+            return _configure(module)
     except Exception as exc:  # noqa: BLE001 - any build failure means: run the portable path
         logger.warning("native kernels unavailable, using portable torch kernels: %s", str(exc).splitlines()[0])
         return None

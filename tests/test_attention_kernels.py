@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from engine import platform
 from engine.attention import dispatch
 from engine.attention.backends.cpu import CPUAttentionBackendImpl, _get_attn_isa
 from engine.attention.kernels import ref
@@ -123,7 +124,7 @@ def run_both(isa, query, kv, meta, D, kv_cache_dtype, k_scale, v_scale):
 def int8_products(isa, kv_cache_dtype):
     """Whether ``isa`` rounds queries to int8 (and, for decode rows, probabilities to u8) over this
     cache (vec512's VNNI paths, which AMX hands its decode units to), which the reference does not."""
-    return kv_cache_dtype == "int8" and _base(isa) in ("vec512", "amx") and "avx512_vnni" in dispatch.cpu_flags()
+    return kv_cache_dtype == "int8" and _base(isa) in ("vec512", "amx") and platform.has("avx512_vnni")
 
 
 def assert_close(got, expected, int8_products=False):
@@ -329,7 +330,7 @@ def test_int8_cache_path_arithmetic(head_size, gqa, dtype, bf16_dot):
     offset or scale through.  Both prompt P . V paths: dpbf16 (a bf16 model's, where the CPU runs
     it as fast as an FMA) and fp32 FMAs."""
     _need("vec512")
-    if "avx512_vnni" not in dispatch.cpu_flags():
+    if not platform.has("avx512_vnni"):
         pytest.skip("the int8 paths need AVX512-VNNI")
     if dtype == torch.float32 and bf16_dot == "dpbf16":
         pytest.skip("an fp32 model's prompt P . V is fp32 whatever the bf16 products")
@@ -506,7 +507,7 @@ def test_no_extension_means_ref(monkeypatch):
 
 
 def test_available_isas_match_cpu():
-    flags = dispatch.cpu_flags()
+    flags = platform.cpuinfo_flags()
     assert ("vec256" in NATIVE) == ({"avx2", "fma", "f16c"} <= flags)
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags:
         assert "vec512" in NATIVE
@@ -541,7 +542,7 @@ def test_describe_names_the_path(dtype, kv_cache_dtype):
     if kv_cache_dtype == "int8" and dispatch.int8_decode_path(impl.isa):
         notes.append("int8 KV decode: " + ("fp32 FMA" if impl.isa == "vec256" else "VNNI"))
     assert text == (f"{impl.isa} ({'; '.join(notes)})" if notes else impl.isa)
-    if kv_cache_dtype == "int8" and impl.isa == "vec512" and "avx512_vnni" in dispatch.cpu_flags():
+    if kv_cache_dtype == "int8" and impl.isa == "vec512" and platform.has("avx512_vnni"):
         assert text.endswith("int8 KV decode: VNNI)")
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from engine.layers import fused
+from engine.platform import Isa
 
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512-bf16"}
+FUSED_PATHS = [Isa.SCALAR, Isa.AVX2, Isa.AVX512, Isa.AVX512_BF16]  # every path fused.cpp has
 
 
 def _ops():
@@ -22,11 +23,11 @@ def _isas() -> list[int]:
     return list(ops.fused_isas()) if ops is not None else []
 
 
-@pytest.fixture(params=list(ISA_NAMES), ids=lambda i: ISA_NAMES[i])
+@pytest.fixture(params=FUSED_PATHS, ids=lambda i: i.label)
 def isa(request):
     ops = _ops()
     if request.param not in ops.fused_isas():
-        pytest.skip(f"{ISA_NAMES[request.param]} not supported on this CPU")
+        pytest.skip(f"{request.param.label} not supported on this CPU")
     ops.fused_set_isa(request.param)
     yield request.param
     ops.fused_set_isa(-1)

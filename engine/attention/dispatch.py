@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from engine import envs
+from engine import envs, platform
 from engine.attention.kernels import ref
 from engine.attention.metadata import CPUAttentionMetadata, metadata_from_lens
 from engine.kv_cache.layout import allocate_kv_cache, kv_cache_torch_dtype
@@ -57,34 +57,12 @@ def _ext() -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """CPU feature flags of this host, from /proc/cpuinfo (empty when unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@functools.lru_cache(maxsize=1)
 def available_isas() -> frozenset[str]:
     """Native ISAs compiled into the extension that this CPU runs (empty without the extension)."""
     ext = _ext()
     if ext is None:
         return frozenset()
-    flags = cpu_flags()
-    compiled = set(ext.attention_isas())  # checked by the extension with cpuid (and AMX permission)
-    isas = set()
-    if {"avx2", "fma", "f16c"} <= flags and "vec256" in compiled:
-        isas.add("vec256")
-    if "vec256" in isas and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags and "vec512" in compiled:
-        isas.add("vec512")
-    if "vec512" in isas and "amx" in compiled and ext.cpu_has_amx():
-        isas.add("amx")
-    return frozenset(isas)
+    return frozenset(ext.attention_isas())  # compiled in and run by this CPU: the extension's one check
 
 
 def forced_isa_ceiling() -> str:
@@ -161,7 +139,7 @@ def int8_decode_path(isa: str) -> bool:
     int8 (VNNI; AMX hands it its decode units), vec256 widens them to fp32 in registers.  Other
     paths dequantise rows into tiles first, which costs more than the halved bytes save."""
     if isa in ("vec512", "amx"):
-        return "avx512_vnni" in cpu_flags()
+        return platform.has("avx512_vnni")
     return isa == "vec256"
 
 

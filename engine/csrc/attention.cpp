@@ -20,13 +20,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "amx_tiles.h"
+#include "isa.h"
+#include "vec.h"
 #include "attention_common.h"
 #include "attention_vec256.h"
 #include "attention_vec512.h"
@@ -35,8 +36,7 @@
 // ------------------------------------------------------------------ AMX, real tiles
 
 #if CPUSERVE_HAVE_AMX
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+CPUSERVE_TARGET_BEGIN(CPUSERVE_ISA_AMX_BF16)
 namespace cpuserve_attn {
 namespace amx {
 // tileloadd's asm statement declares no memory input: fence the compiler so the
@@ -64,7 +64,7 @@ namespace amx {
 #undef AMX_RELEASE
 }  // namespace amx
 }  // namespace cpuserve_attn
-#pragma GCC pop_options
+CPUSERVE_TARGET_END
 #endif  // CPUSERVE_HAVE_AMX
 
 // ------------------------------------------------------------------ AMX, emulated tiles
@@ -110,10 +110,7 @@ static void zero(int i) { std::memset(tiles().data[i], 0, sizeof(tiles().data[i]
 static float bf(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return cpuserve::bf16_to_float(h);
 }
 // C[m][n] += sum_k A[m][2k] * B[k][2n] + A[m][2k+1] * B[k][2n+1]   (bf16 in, fp32 out)
 static void dp(int c, int a, int b) {
@@ -138,8 +135,7 @@ static void dp(int c, int a, int b) {
 }  // namespace emu
 }  // namespace cpuserve_attn
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+CPUSERVE_TARGET_BEGIN(CPUSERVE_ISA_AVX512_BF16)
 namespace cpuserve_attn {
 namespace amx_emu {
 #define AMX_CFG(c) emu::cfg(c)
@@ -157,79 +153,55 @@ namespace amx_emu {
 #undef AMX_RELEASE
 }  // namespace amx_emu
 }  // namespace cpuserve_attn
-#pragma GCC pop_options
+CPUSERVE_TARGET_END
 
 // ------------------------------------------------------------------ dispatch and planning
 namespace cpuserve_attn {
 namespace {
 
-enum class Isa { kVec256, kVec512, kAmx, kAmxEmu };
+using cpuserve::cpu_supports;
+using cpuserve::Isa;
 
 using UnitFn = void (*)(const AttnParams&, const WorkUnit&, float*, const WorkUnit*, bool);
 
-bool cpu_has_vec256() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-bool cpu_has_vec512() {
-  static const bool ok = cpu_has_vec256() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("avx512bf16");
-  return ok;
-}
-
+bool cpu_has_vec512() { return cpu_supports(Isa::kAvx512Bf16); }
 // The int8 cache's decode path multiplies int8 keys and queries with vpdpbusd (AVX512-VNNI).
-bool cpu_has_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
+bool cpu_has_vnni() { return cpu_supports(Isa::kAvx512Vnni); }
+
+// The names paged_attention's `isa` takes, and the path (isa.h) each one runs.
+struct IsaName {
+  const char* name;
+  Isa isa;
+};
+constexpr IsaName kIsaNames[] = {
+    {"vec256", Isa::kAvx2}, {"vec512", Isa::kAvx512Bf16}, {"amx", Isa::kAmxBf16}, {"amx_emu", Isa::kAmxBf16Emu}};
 
 Isa parse_isa(const std::string& name) {
-  Isa isa;
-  if (name == "vec256") {
-    isa = Isa::kVec256;
-    TORCH_CHECK(cpu_has_vec256(), "attention isa vec256 needs AVX2 + FMA");
-  } else if (name == "vec512") {
-    isa = Isa::kVec512;
-    TORCH_CHECK(cpu_has_vec512(), "attention isa vec512 needs AVX-512 F/BW/VL/DQ + BF16");
-  } else if (name == "amx") {
-    isa = Isa::kAmx;
-    TORCH_CHECK(CPUSERVE_HAVE_AMX && cpu_has_vec512() && cpu_has_amx(),
-                "attention isa amx needs AMX-BF16 (and Linux permission for it) and a compiler with AMX intrinsics");
-  } else if (name == "amx_emu") {
-    isa = Isa::kAmxEmu;
-    TORCH_CHECK(cpu_has_vec512(), "attention isa amx_emu needs AVX-512 BF16");
-  } else {
-    TORCH_CHECK(false, "unknown attention isa: ", name);
+  for (const IsaName& n : kIsaNames) {
+    if (name != n.name) continue;
+    TORCH_CHECK(cpu_supports(n.isa), "attention isa ", name, " needs ", cpuserve::isa_name(n.isa),
+                " (AMX: with Linux's permission and a compiler with AMX intrinsics)");
+    return n.isa;
   }
-  return isa;
+  TORCH_CHECK(false, "unknown attention isa: ", name);
 }
 
-// Query rows (tokens x GQA group) from which a unit is worth AMX tiles; below, vec512.
-// Not yet tuned on hardware: CPUSERVE_ATTN_AMX_MIN_ROWS overrides it.
-int amx_min_rows() {
-  static const int v = [] {
-    const char* e = std::getenv("CPUSERVE_ATTN_AMX_MIN_ROWS");
-    return e ? std::max(1, std::atoi(e)) : 4;
-  }();
-  return v;
-}
+// Query rows (tokens x GQA group) from which a unit is worth AMX tiles; below, vec512.  Not yet
+// tuned on hardware: attention_set_amx_min_rows (engine/native.py, CPUSERVE_ATTN_AMX_MIN_ROWS) sets it.
+int g_amx_min_rows = 4;
+
+int amx_min_rows() { return g_amx_min_rows; }
 
 // vec512 with a bf16 model: dpbf16 (Bf16DecodeOps, Bf16Ops) or FMAs on bf16 widened to fp32
 // (Bf16FmaDecodeOps; F32Ops's tiles for larger units over a bf16 cache).  Two FMAs do a dpbf16's
 // 32 multiply-adds, so FMAs win where a dpbf16 costs more than ~2 FMAs.  Chosen by timing both
-// once (v512::dpbf16_fma_time_ratio); CPUSERVE_ATTN_BF16_DOT=dpbf16|fma overrides, and tests pin
-// one with attention_set_bf16_dot.
+// once (v512::dpbf16_fma_time_ratio) unless attention_set_bf16_dot pins one (engine/native.py from
+// CPUSERVE_ATTN_BF16_DOT, and tests).  -1: time both; 0: dpbf16; 1: fma.
 int g_forced_bf16_dot = -1;
 
 bool bf16_with_fma() {
   if (g_forced_bf16_dot >= 0) return g_forced_bf16_dot == 1;
-  static const bool fma = [] {
-    const char* e = std::getenv("CPUSERVE_ATTN_BF16_DOT");
-    if (e && std::string(e) == "dpbf16") return false;
-    if (e && std::string(e) == "fma") return true;
-    return v512::dpbf16_fma_time_ratio() > 2.0;
-  }();
+  static const bool fma = v512::dpbf16_fma_time_ratio() > 2.0;
   return fma;
 }
 
@@ -240,19 +212,19 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
   const bool int8_vnni = p.kv_kind == KvKind::kI8 && cpu_has_vnni();
   const bool int8_decode = int8_vnni && R <= v512::Int8DecodeOps::kMaxRows;
   switch (isa) {
-    case Isa::kAmx:
+    case Isa::kAmxBf16:
 #if CPUSERVE_HAVE_AMX
       if (bf16 && R >= amx_min_rows() && !int8_decode) return &run_unit<amx::Ops>;
 #endif
       break;
-    case Isa::kAmxEmu:
+    case Isa::kAmxBf16Emu:
       if (bf16) return &run_unit<amx_emu::Ops>;
       break;
-    case Isa::kVec256:
+    case Isa::kAvx2:
       if (bf16 && p.kv_kind == KvKind::kSame && R <= v256::DecodeOps::kMaxRows) return &run_unit<v256::DecodeOps>;
       if (p.kv_kind == KvKind::kI8 && R <= v256::Int8DecodeOps::kMaxRows) return &run_unit<v256::Int8DecodeOps>;
       return &run_unit<v256::Ops>;
-    case Isa::kVec512:
+    case Isa::kAvx512Bf16:
       break;
   }
   if (int8_decode) return &run_unit<v512::Int8DecodeOps>;
@@ -394,7 +366,7 @@ void plan_batch(Isa isa, int64_t H, int64_t T, const at::Tensor& kv_cache, const
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
   const int64_t bt_s = block_table.stride(0);
-  const bool amx = isa == Isa::kAmx || isa == Isa::kAmxEmu;
+  const bool amx = isa == Isa::kAmxBf16 || isa == Isa::kAmxBf16Emu;
   const int G = H / Hkv;
   // AMX prompt units take AMX_UNIT_ROWS query rows: every unit converts its keys' K and V tiles for
   // all of its rows, so larger units convert each key fewer times.  The vec512 prompt paths keep
@@ -476,7 +448,7 @@ void run_plan(const PlanHeader& h, const WorkUnit* units, const Merge* merges, c
   TORCH_CHECK(kv_cache.size(0) == h.NB && kv_cache.size(1) == h.Hkv && kv_cache.size(2) == h.B,
               "kv cache shape does not match the attention plan");
   const bool bf16 = dtype == at::kBFloat16;
-  const bool amx = isa == Isa::kAmx || isa == Isa::kAmxEmu;
+  const bool amx = isa == Isa::kAmxBf16 || isa == Isa::kAmxBf16Emu;
   TORCH_CHECK(bf16 || !amx, "amx attention needs bf16");
   if (h.nu == 0) return;
 
@@ -552,7 +524,7 @@ void run_plan(const PlanHeader& h, const WorkUnit* units, const Merge* merges, c
       for (int64_t m = 0; m < nm; ++m) merge_splits(p, merges[m], part);
     }
   }
-  if (isa == Isa::kAmxEmu) TORCH_CHECK(emu::g_errors.load() == errors_before, "emulated AMX tile shape error");
+  if (isa == Isa::kAmxBf16Emu) TORCH_CHECK(emu::g_errors.load() == errors_before, "emulated AMX tile shape error");
 }
 
 }  // namespace
@@ -612,12 +584,8 @@ void paged_attention_planned(const at::Tensor& plan, const at::Tensor& query, co
 std::vector<std::string> attention_isas() {
   using namespace cpuserve_attn;
   std::vector<std::string> out;
-  if (cpu_has_vec256()) out.push_back("vec256");
-  if (cpu_has_vec512()) {
-    out.push_back("vec512");
-    out.push_back("amx_emu");
-    if (CPUSERVE_HAVE_AMX && cpu_has_amx()) out.push_back("amx");
-  }
+  for (const IsaName& n : kIsaNames)
+    if (cpu_supports(n.isa)) out.push_back(n.name);
   return out;
 }
 
@@ -625,6 +593,13 @@ std::string attention_bf16_dot() {
   using namespace cpuserve_attn;
   if (!cpu_has_vec512()) return "none";
   return bf16_with_fma() ? "fma" : "dpbf16";
+}
+
+int64_t attention_amx_min_rows() { return cpuserve_attn::amx_min_rows(); }
+
+void attention_set_amx_min_rows(int64_t rows) {
+  using namespace cpuserve_attn;
+  g_amx_min_rows = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, 1 << 20)));
 }
 
 void attention_set_bf16_dot(const std::string& mode) {

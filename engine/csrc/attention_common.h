@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 namespace cpuserve_attn {
 
 constexpr int KT = 32;          // keys per tile
@@ -36,7 +38,14 @@ constexpr int RMAX = std::max(UNIT_ROWS, AMX_UNIT_ROWS);  // the per-row scratch
 constexpr int SPLIT_COST_TILES = 4;
 constexpr int TOUCH_TILES = 8;  // tiles whose cache lines are loaded in one pass (64 KiB of bf16 K/V)
 
-enum class KvKind : int { kSame = 0, kE4M3 = 1, kE5M2 = 2, kI8 = 3 };
+// A cache's element format: the model's dtype, or an 8-bit one that vec.h widens (same values as Elem8).
+enum class KvKind : int {
+  kSame = 0,
+  kE4M3 = static_cast<int>(cpuserve::Elem8::kE4M3),
+  kE5M2 = static_cast<int>(cpuserve::Elem8::kE5M2),
+  kI8 = static_cast<int>(cpuserve::Elem8::kInt8),
+};
+inline cpuserve::Elem8 elem8(KvKind k) { return static_cast<cpuserve::Elem8>(k); }  // an 8-bit KvKind
 
 // An int8 cache row holds a token's K and V for one kv head as D int8 values each, then their
 // two fp32 scales: [K | V | k_scale | v_scale], x ~= value * scale (so its row stride is at least
@@ -189,8 +198,7 @@ inline void gather_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int
 // at ~14 GB/s of ~50; this pass keeps many in flight and the tile loop then reads L1/L2.
 // The blocks' lines are visited round-robin, kTouchStreams blocks at a time: several
 // sequential streams keep the L2 streamers of more pages busy at once than one block
-// after the other.  2-core Zen 5, 4 KiB pieces in block-table order: 31-42 -> 52-55 GB/s;
-// 30 layers of 32 decodes x 142 / 256 keys: 5.0 -> 4.6 / 8.8 -> 7.0 ms, 4 x 1024 keys 4.0 -> 3.5.
+// after the other.
 constexpr int kTouchStreams = 4;
 inline void touch_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int k0, int k1) {
   const int64_t row_bytes = p.kv_so * p.kv_elt;
@@ -218,17 +226,12 @@ inline void touch_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int 
 
 // The cache lines of the next unit a thread will run, prefetched into L2 a share per key tile of
 // the unit it runs now, so that the next unit's reads overlap this one's arithmetic instead of
-// following it (the touch pass above then runs only for a thread's first unit).  Decode at 32
-// streams on a 2-core Zen 4 host, alternating step by step in one process: attention 6.3-8.7 ->
-// 4.8-7.2 ms a step, steps 0.94-0.95x; 8 streams 0.95x, batch 1 0.99x, 1024-token prompts unchanged.
+// following it (the touch pass above then runs only for a thread's first unit).
 //
 // Each tile's share goes out in kPrefetchSlices parts, one before each of the tile's four
 // operations: a prefetch that finds every L1 miss slot busy stalls the core, so one burst of a
 // tile's ~60 lines (32 int8 keys of ~196-key decodes) held the arithmetic until most had arrived,
-// while ~15 lines drain during the operation that follows.  2-core Intel host (AMX), 60 layers'
-// caches in turn from DRAM, int8 KV, per layer: 32 decodes x ~195 keys 286-336 -> 253-305 us,
-// 8 x ~216 keys 117 -> 98, 16 x ~1034 keys 620 -> 527, 1 x ~2150 keys 86 -> 77; engine alone,
-// 32 streams, alternating step by step in one process: decode steps 0.962x and 0.963x.
+// while ~15 lines drain during the operation that follows.
 constexpr int kPrefetchSlices = 4;
 
 class UnitLinePrefetch {

@@ -15,43 +15,18 @@
 #include <limits>
 
 #include "attention_common.h"
+#include "vec.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+CPUSERVE_TARGET_BEGIN(CPUSERVE_ISA_AVX2)
 
 namespace cpuserve_attn {
 namespace v256 {
 
-static inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
+using cpuserve::Vec256;
 
-static inline float hsum(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_add_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-// exp(x) for x <= 0 (softmax): Cephes polynomial; exactly 0 below -87.
+// exp(x) for x <= 0 (softmax): exactly 0 below -87, where Vec256::exp stops at e^-87.
 static inline __m256 exp_ps(__m256 x) {
-  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), Vec256::exp(x));
 }
 
 static inline void transpose8(__m256 r[8]) {
@@ -72,32 +47,6 @@ static inline void transpose8(__m256 r[8]) {
   }
 }
 
-static inline __m256 bf16x8_to_ps(const uint16_t* src) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16));
-}
-
-// 8 fp8 (or int8) values -> exact fp32 (see v512::fp8x16_to_ps).
-static inline __m256 fp8x8_to_ps(const uint8_t* src, KvKind kind) {
-  if (kind == KvKind::kI8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
-  const __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-  if (kind == KvKind::kE5M2) return _mm256_cvtph_ps(_mm_slli_epi16(u, 8));
-  const __m128i mag = _mm_and_si128(u, _mm_set1_epi16(0x7f));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8));
-  const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
-  const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
-  return _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
-}
-
-// fp32 -> bf16, round to nearest even (NaN stays NaN), 8 values.
-static inline __m128i ps_to_bf16x8(__m256 x) {
-  const __m256i b = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
 // One row of D values of the cache (or query) in `kind` / model dtype -> fp32 row of Dp.
 // `round_bf16`: fp8 values scaled then rounded to bf16, as the reference does for bf16 models.
 static inline void row_to_f32(const uint8_t* src, bool src_bf16, KvKind kind, float scale, bool round_bf16, int D, int Dp,
@@ -106,13 +55,13 @@ static inline void row_to_f32(const uint8_t* src, bool src_bf16, KvKind kind, fl
   if (kind != KvKind::kSame) {
     const __m256 sc = _mm256_set1_ps(scale);
     for (; d < D; d += 8) {
-      __m256 f = _mm256_mul_ps(fp8x8_to_ps(src + d, kind), sc);
-      if (round_bf16) f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(ps_to_bf16x8(f)), 16));
+      __m256 f = _mm256_mul_ps(Vec256::widen8(src + d, elem8(kind)), sc);
+      if (round_bf16) f = Vec256::widen_bf16(Vec256::to_bf16(f));
       _mm256_store_ps(dst + d, f);
     }
   } else if (src_bf16) {
     const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-    for (; d < D; d += 8) _mm256_store_ps(dst + d, bf16x8_to_ps(s + d));
+    for (; d < D; d += 8) _mm256_store_ps(dst + d, Vec256::load_bf16_ps(s + d));
   } else {
     const float* s = reinterpret_cast<const float*>(src);
     for (; d < D; d += 8) _mm256_store_ps(dst + d, _mm256_loadu_ps(s + d));
@@ -262,7 +211,7 @@ struct Ops {
           x[c] = _mm256_blendv_ps(ninf, x[c], _mm256_castsi256_ps(vis));
         }
       }
-      const float mx = hmax(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
+      const float mx = Vec256::hmax(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
       const float m_old = s.m[r];
       const float m_new = std::max(m_old, mx);
       if (m_new == -std::numeric_limits<float>::infinity()) {
@@ -278,7 +227,7 @@ struct Ops {
         sum = _mm256_add_ps(sum, pc);
         _mm256_store_ps(P + r * KT + 8 * c, pc);
       }
-      s.l[r] = s.l[r] * alpha + hsum(sum);
+      s.l[r] = s.l[r] * alpha + Vec256::hsum(sum);
       s.m[r] = m_new;
       s.alpha[r] = alpha;
     }
@@ -307,7 +256,7 @@ struct Ops {
       if (p.model_bf16) {
         uint16_t* dst = static_cast<uint16_t*>(p.out) + off;
         for (int d = 0; d < p.D; d += 8)
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), ps_to_bf16x8(_mm256_mul_ps(_mm256_load_ps(o + d), inv)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), Vec256::to_bf16(_mm256_mul_ps(_mm256_load_ps(o + d), inv)));
       } else {
         float* dst = static_cast<float*>(p.out) + off;
         for (int d = 0; d < p.D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(o + d), inv));
@@ -323,8 +272,7 @@ struct Ops {
 // values as fp32 with one shift and one AND (bf16 is the top half of fp32), and the query
 // is stored split the same way, so a key's dot product with a row is two FMAs per chunk;
 // the 8 lanes are summed across 8 keys at once.  PV: V rows widened in natural order,
-// a broadcast probability times 8 outputs per FMA.  2-core Zen 3 (AVX2), 32 decodes of ~150
-// keys, 30 layers inside a decode step: 18.2 / 16.3 / 17.9 -> 15.3 / 14.0 / 12.0 ms.
+// a broadcast probability times 8 outputs per FMA.
 // 16 bf16 at p -> fp32 of the even-indexed ones (*even) and of the odd-indexed ones (*odd).
 static inline void split_bf16x16(const uint16_t* p, __m256* even, __m256* odd) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -410,7 +358,7 @@ static inline void pv_direct_pass(const float* P, const void* const* vrows, int 
     for (int c = 0; c < NV; ++c)
       vv[c] = I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(vrows[j]) + d0 + 8 * c))))
-                 : bf16x8_to_ps(static_cast<const uint16_t*>(vrows[j]) + d0 + 8 * c);
+                 : Vec256::load_bf16_ps(static_cast<const uint16_t*>(vrows[j]) + d0 + 8 * c);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const __m256 pb = _mm256_broadcast_ss(P + r * KT + j);
@@ -506,4 +454,4 @@ using Int8DecodeOps = DecodeOpsT<true>;
 }  // namespace v256
 }  // namespace cpuserve_attn
 
-#pragma GCC pop_options
+CPUSERVE_TARGET_END

@@ -21,17 +21,16 @@
 #include <limits>
 
 #include "attention_common.h"
-#include "vec512_rows.h"
+#include "vec.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+CPUSERVE_TARGET_BEGIN(CPUSERVE_ISA_AVX512_BF16)
 
 namespace cpuserve_attn {
 namespace v512 {
 
-static inline __mmask16 mask16(int n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
-}
+using cpuserve::Vec512;
+
+static inline __mmask16 mask16(int n) { return Vec512::mask(n); }
 static inline __mmask32 mask32(int n) {
   return n >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : n <= 0 ? static_cast<__mmask32>(0) : static_cast<__mmask32>((1u << n) - 1);
 }
@@ -64,26 +63,12 @@ static inline void transpose16(__m512i r[16]) {
   }
 }
 
-// 16 fp8 (or int8) values (n valid, rest 0) -> exact fp32.  e5m2 is the top byte of an fp16;
-// e4m3fn's 7 magnitude bits shifted into an fp16 are the value * 2^-8 (denormals
-// included), and 0x7f / 0xff are NaN (e4m3fn has no infinity).
-static inline __m512 fp8x16_to_ps(const uint8_t* src, int n, KvKind kind) {
-  if (kind == KvKind::kI8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask16(n), src)));
-  const __m256i u = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask16(n), src));
-  if (kind == KvKind::kE5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(u, 8));
-  const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi16(0x7f));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8));
-  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-  const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
-  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-}
-
 // fp8 / int8 row (D values) -> bf16(x * scale), Dp values (zero padded).
 static inline void dequant_row_bf16(const uint8_t* src, int D, int Dp, KvKind kind, float scale, uint16_t* dst) {
   const __m512 sc = _mm512_set1_ps(scale);
   for (int d0 = 0; d0 < Dp; d0 += 32) {
-    const __m512 lo = _mm512_mul_ps(fp8x16_to_ps(src + d0, D - d0, kind), sc);
-    const __m512 hi = _mm512_mul_ps(fp8x16_to_ps(src + d0 + 16, D - d0 - 16, kind), sc);
+    const __m512 lo = _mm512_mul_ps(Vec512::widen8(src + d0, D - d0, elem8(kind)), sc);
+    const __m512 hi = _mm512_mul_ps(Vec512::widen8(src + d0 + 16, D - d0 - 16, elem8(kind)), sc);
     _mm512_store_si512(dst + d0, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
 }
@@ -91,7 +76,7 @@ static inline void dequant_row_bf16(const uint8_t* src, int D, int Dp, KvKind ki
 // fp8 / int8 row -> fp32(x * scale), Dp values (zero padded).
 static inline void dequant_row_f32(const uint8_t* src, int D, int Dp, KvKind kind, float scale, float* dst) {
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(dst + d0, _mm512_mul_ps(fp8x16_to_ps(src + d0, D - d0, kind), sc));
+  for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(dst + d0, _mm512_mul_ps(Vec512::widen8(src + d0, D - d0, elem8(kind)), sc));
 }
 
 // KV-cache write: D values (bf16 or fp32) -> fp8(x / scale), bit-exact with c10's
@@ -128,9 +113,6 @@ static inline __m128i fp8x16_from_ps(__m512 f, KvKind kind) {
   return _mm512_cvtepi32_epi8(r);
 }
 
-// 16 bf16 -> 16 fp32 (exact: a bf16 is the top half of an fp32).
-static inline __m512 widen_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
 static void store_fp8_row(const void* src, bool src_bf16, uint8_t* dst, int D, float scale, KvKind kind) {
   const __m512 sc = _mm512_set1_ps(scale);
   for (int d = 0; d < D; d += 16) {
@@ -138,7 +120,7 @@ static void store_fp8_row(const void* src, bool src_bf16, uint8_t* dst, int D, f
     __m512 x;
     if (src_bf16) {
       const __m256i h = _mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(src) + d);
-      x = widen_bf16x16(h);
+      x = Vec512::widen_bf16(h);
     } else {
       x = _mm512_maskz_loadu_ps(mk, static_cast<const float*>(src) + d);
     }
@@ -146,24 +128,7 @@ static void store_fp8_row(const void* src, bool src_bf16, uint8_t* dst, int D, f
   }
 }
 
-// 2^t for t <= 0 (softmax): t is clamped at -126, so the result is never 0 but ~1e-38 at the
-// bottom (masked lanes are zeroed by the caller); degree-6 Taylor polynomial of 2^f on
-// [-0.5, 0.5], |rel err| ~ 1.2e-7, like the Cephes exp it replaced.
-static inline __m512 exp2_ps(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(1.5403530393381609e-4f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
-
-using cpuserve_vec512::RowReduce16;
+using cpuserve::RowReduce16;
 
 // Online-softmax update of one tile: scores -> probabilities (bf16 pairs or fp32), 16 rows at a
 // time.  The running max, sum and rescale of the 16 rows are vectors, so a tile costs no scalar
@@ -200,7 +165,7 @@ static inline void softmax_tile(const AttnParams& p, Scratch& s, int R, int k0, 
     const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx.finish(), scale));
     const __mmask16 seen = _mm512_cmp_ps_mask(m_new, ninf, _CMP_NEQ_OQ);  // some key visible so far
     const __m512 alpha = _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.0f),
-                                              exp2_ps(_mm512_mul_ps(_mm512_sub_ps(m_old, m_new), _mm512_set1_ps(kLog2e))));
+                                              Vec512::exp2(_mm512_mul_ps(_mm512_sub_ps(m_old, m_new), _mm512_set1_ps(kLog2e))));
     _mm512_store_ps(mb, _mm512_maskz_mul_ps(seen, m_new, _mm512_set1_ps(kLog2e)));
     RowReduce16<false> sum;
 #pragma GCC unroll 8
@@ -214,8 +179,8 @@ static inline void softmax_tile(const AttnParams& p, Scratch& s, int R, int k0, 
         }
         const __m512 m = _mm512_set1_ps(mb[2 * i + j]);
         const __mmask32 v = vis[2 * i + j];
-        const __m512 p0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(v), exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(s.S + r * KT), c, m)));
-        const __m512 p1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(v >> 16), exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(s.S + r * KT + 16), c, m)));
+        const __m512 p0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(v), Vec512::exp2(_mm512_fmsub_ps(_mm512_load_ps(s.S + r * KT), c, m)));
+        const __m512 p1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(v >> 16), Vec512::exp2(_mm512_fmsub_ps(_mm512_load_ps(s.S + r * KT + 16), c, m)));
         h[j] = _mm512_add_ps(p0, p1);
         if (BF16) {
           _mm512_store_si512(static_cast<uint16_t*>(s.P) + r * KT, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
@@ -635,7 +600,7 @@ static inline void pv_direct_fma_pass(const float* P, const void* const* vrows, 
                                       const float* alpha) {
   pv_fma<RB, NV>(P, n, O + d0, Dp, alpha, [&](int j, int c) {
     const uint16_t* v = static_cast<const uint16_t*>(vrows[j]) + d0 + 16 * c;
-    return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+    return Vec512::widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
   });
 }
 
@@ -660,7 +625,7 @@ struct Bf16FmaDecodeOps {
       float* dst = q + static_cast<int64_t>(r) * p.Dp;
       const uint16_t* row = src + q_offset(p, tok, kvh, r);
       for (int d0 = 0; d0 < p.Dp; d0 += 16) {  // zero past D: the last 32-wide K chunk may reach there
-        _mm512_store_ps(dst + d0, widen_bf16x16(_mm256_maskz_loadu_epi16(mask16(p.D - d0), row + d0)));
+        _mm512_store_ps(dst + d0, Vec512::widen_bf16(_mm256_maskz_loadu_epi16(mask16(p.D - d0), row + d0)));
       }
     }
   }
@@ -756,8 +721,8 @@ struct F32Ops {
         const uint16_t* row = reinterpret_cast<const uint16_t*>(base);
         float* kd = static_cast<float*>(s.krow) + i * Dp;
         for (int d0 = 0; d0 < Dp; d0 += 16) {
-          _mm512_store_ps(kd + d0, widen_bf16x16(_mm256_maskz_loadu_epi16(mask16(D - d0), row + d0)));
-          _mm512_store_ps(vd + d0, widen_bf16x16(_mm256_maskz_loadu_epi16(mask16(D - d0), row + D + d0)));
+          _mm512_store_ps(kd + d0, Vec512::widen_bf16(_mm256_maskz_loadu_epi16(mask16(D - d0), row + d0)));
+          _mm512_store_ps(vd + d0, Vec512::widen_bf16(_mm256_maskz_loadu_epi16(mask16(D - d0), row + D + d0)));
         }
         krows[i] = kd;
       } else if (p.kv_kind == KvKind::kSame) {
@@ -836,8 +801,7 @@ struct F32Ops {
 
 // ---------------------------------------------------------------- int8 cache, few query rows
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c")
+CPUSERVE_TARGET_BEGIN(CPUSERVE_ISA_AVX512_BF16_VNNI)
 
 // Decode over an int8 cache reads half the bytes of a bf16 one, and both products run as VNNI
 // int8 dot products (vpdpbusd: 64 multiply-adds, u8 x s8, per instruction).  K . q: each query
@@ -965,7 +929,7 @@ struct Int8DecodeOps {
       __m512 amax = _mm512_setzero_ps();
       for (int d0 = 0; d0 < Dq; d0 += 16) {
         const __mmask16 mk = mask16(p.D - d0);
-        const __m512 x = p.model_bf16 ? widen_bf16x16(_mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(p.q) + off + d0))
+        const __m512 x = p.model_bf16 ? Vec512::widen_bf16(_mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(p.q) + off + d0))
                                       : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(p.q) + off + d0);
         _mm512_store_ps(row + d0, x);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(x));
@@ -984,8 +948,7 @@ struct Int8DecodeOps {
   }
 
   // The tile's row pointers and scales, up to 16 rows of a block at a time: the pointers as one
-  // vector sum, the scales with two gathers (32 decodes x 192 keys: attention 0.90-1.0x the time of
-  // a row-by-row loop, in one process, alternating; 4.7% less attention a step at 32 streams).
+  // vector sum, the scales with two gathers.
   __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
     const int64_t row_bytes = p.kv_so * p.kv_elt;
     const __m512i offs = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int>(row_bytes)),
@@ -1167,7 +1130,7 @@ struct Int8PrefillOps {
   static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) { F32Ops::store(p, s, tok, ntok, kvh, R); }
 };
 
-#pragma GCC pop_options
+CPUSERVE_TARGET_END
 
 // int8 cache write: one row of D values (bf16 or fp32) -> round(x * 127 / max|x|), its scale
 // max|x| / 127 (0 for a zero row).  Bit-exact with ref.quantize_int8_rows: the same fp32
@@ -1177,7 +1140,7 @@ static void store_int8_row(const void* src, bool src_bf16, int8_t* dst, int D, f
   __m512 amax = _mm512_setzero_ps();
   for (int d = 0; d < D; d += 16) {
     const __mmask16 mk = mask16(D - d);
-    const __m512 x = src_bf16 ? widen_bf16x16(_mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(src) + d))
+    const __m512 x = src_bf16 ? Vec512::widen_bf16(_mm256_maskz_loadu_epi16(mk, static_cast<const uint16_t*>(src) + d))
                               : _mm512_maskz_loadu_ps(mk, static_cast<const float*>(src) + d);
     _mm512_store_ps(row + d, x);
     amax = _mm512_max_ps(amax, _mm512_abs_ps(x));
@@ -1224,4 +1187,4 @@ static double dpbf16_fma_time_ratio() {
 }  // namespace v512
 }  // namespace cpuserve_attn
 
-#pragma GCC pop_options
+CPUSERVE_TARGET_END

@@ -1,13 +1,27 @@
 // The one Python module of the extension: plain pybind11 functions (no dispatcher
 // hop), since several of these run on every layer of every step.  The kernels run without
 // the GIL (they touch no Python object), as torch's own ops do: the server's HTTP thread
-// can then answer requests, /health and /metrics while a step computes.  Measured on the
-// 2-core host, alternating runs: c=1 TPOT 4.4/4.1 -> 4.2/3.7 ms, c=32 1036/1004 -> 1048/1048 tok/s.
+// can then answer requests, /health and /metrics while a step computes.
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("cpu_has_amx", &cpu_has_amx, "AMX tiles usable by this process");
+  // ---- isa.cpp ----
+  py::enum_<cpuserve::Isa>(m, "Isa", "instruction-set paths (isa.h; engine/platform.py mirrors them)")
+      .value("SCALAR", cpuserve::kScalar)
+      .value("AVX2", cpuserve::kAvx2)
+      .value("AVX_VNNI", cpuserve::kAvxVnni)
+      .value("AVX512_VNNI", cpuserve::kAvx512Vnni)
+      .value("AMX_INT8", cpuserve::kAmxInt8)
+      .value("AVX512", cpuserve::kAvx512)
+      .value("AVX512_BF16", cpuserve::kAvx512Bf16)
+      .value("AMX_BF16", cpuserve::kAmxBf16)
+      .value("AMX_BF16_EMU", cpuserve::kAmxBf16Emu);
+  m.def("isa_name", &cpuserve::isa_name, "the name of an Isa value (\"\" past the end)", py::arg("isa"));
+  m.def("cpu_supports", &cpuserve::cpu_supports, "whether this process can run an Isa's kernels", py::arg("isa"));
+  m.def("cpu_features", &cpuserve::cpu_features, "the CPU features the kernels use that this CPU has (/proc/cpuinfo names)");
+  m.def("cpu_has_amx", [] { return cpuserve::cpu_supports(cpuserve::kAmxBf16); }, "AMX bf16 tiles usable by this process");
+  // ---- end isa.cpp ----
   // ---- qlinear.cpp ----
   m.def("qlinear_forward", &qlinear_forward, "packed GGUF-block matmul", nogil, py::arg("x"), py::arg("packed"),
         py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(), py::arg("isa") = -1,
@@ -43,6 +57,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_bf16_dot", &attention_bf16_dot, "how vec512 attention multiplies bf16: dpbf16 or fma");
   m.def("attention_set_bf16_dot", &attention_set_bf16_dot, "pin vec512's bf16 attention path (auto, dpbf16, fma)",
         py::arg("mode"));
+  m.def("attention_set_amx_min_rows", &attention_set_amx_min_rows, "query rows from which amx units use tiles",
+        py::arg("rows"));
+  m.def("attention_amx_min_rows", &attention_amx_min_rows, "query rows from which amx units use tiles");
   // ---- end attention.cpp ----
   // ---- fused.cpp ----
   m.def("fused_rms_norm", &fused_rms_norm, "RMSNorm", nogil, py::arg("x"), py::arg("weight"), py::arg("eps"));
@@ -65,7 +82,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"));
   m.def("logprobs_rows", &logprobs_rows, "log-probabilities of the chosen tokens and the k best per row", nogil,
         py::arg("logits"), py::arg("chosen"), py::arg("k"));
-  m.def("argmax_best_isa", &argmax_best_isa, "the argmax path used by default (0 scalar, 1 AVX2, 2 AVX-512)");
+  m.def("argmax_best_isa", &argmax_best_isa, "the argmax path used by default (an Isa value)");
+  m.def("argmax_isas", &argmax_isas, "argmax instruction-set paths usable on this CPU");
   // ---- end sampling.cpp ----
   // ---- decoder_layer.cpp ----
   py::class_<PackedProjection>(m, "PackedProjection")

@@ -1,13 +1,11 @@
 // One Llama decoder layer's packed path as two native calls around its attention.
 //
-// At batch 1 a layer took ~54 us with warm weights, ~30 of them kernels; the rest was Python
-// (module frames, the Linear -> PackedWeight wrappers, eight pybind11 conversions, the qkv
-// split).  Run this way, a batch-1 forward + logits went 3.48 -> 2.95 ms (same process,
-// alternating), 32 decodes 17.9 -> 17.5 ms.  When all four projections of a layer hold packed weights,
-// engine/models/llama.py runs the layer as
+// At batch 1 most of a layer's time outside its kernels was Python (module frames, the Linear ->
+// PackedWeight wrappers, pybind11 conversions, the qkv split): this file does that work in C++.
+// When all four projections of a layer hold packed weights, engine/models/llama.py runs the layer as
 //   pre_attention:  [residual +] RMSNorm -> qkv projection -> RoPE on q and k (in place); q, k, v
-//                   as per-head views and the attention's output buffer (from Python each of those
-//                   torch ops cost microseconds: batch-1 steps 0.93x without them)
+//                   as per-head views and the attention's output buffer (each a torch op of a few
+//                   microseconds from Python)
 //   attention:      the attention layer, from Python (do_kv_cache_update, then forward)
 //   post_attention: o projection -> residual + RMSNorm -> gate_up projection -> SiLU * up -> down
 // The kernels, their order and their arguments are those of the modular path (the reference,
@@ -46,9 +44,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     res = x;
   }
   torch::Tensor qkv = qkv_proj(normed);
-  // q, k, v as views of qkv's columns, each made by one as_strided: narrow + view went through
-  // three dispatcher calls per view (narrow -> slice -> as_strided, then view), ~2 us a layer at
-  // batch 1 (steps 0.98x, twice, alternating in one process).
+  // q, k, v as views of qkv's columns, each made by one as_strided: narrow + view go through
+  // three dispatcher calls per view (narrow -> slice -> as_strided, then view).
   const int64_t t = qkv.size(0), s0 = qkv.stride(0), off = qkv.storage_offset();
   const int64_t heads = q_size / head_size, kv_heads = kv_size / head_size;
   torch::Tensor q = qkv.as_strided({t, q_size}, {s0, 1}, off), k = qkv.as_strided({t, kv_size}, {s0, 1}, off + q_size);

@@ -2,9 +2,8 @@
 #pragma once
 #include <torch/extension.h>
 
-// cpu_features.cpp
-bool cpu_has_amx();  // also asks the kernel for AMX tile state permission
-bool cpu_has_amx_int8();  // cpu_has_amx() and the AMX-INT8 instructions
+// CPU features and instruction-set paths: isa.h (cpuserve::Isa, cpuserve::cpu_supports).
+#include "isa.h"
 
 // ---- qlinear.cpp (packed GGUF-block matmul; layout in qlinear.h) ----
 // y = x @ W^T (+ bias): x [M, K] float32/bfloat16 (unit column stride), packed uint8, qtype a GGML id
@@ -67,7 +66,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 std::vector<std::string> attention_isas();  // attention ISAs compiled in and runnable on this CPU
 // How vec512 multiplies a bf16 model's attention: "dpbf16" or "fma" (see attention.cpp), "none" without vec512.
 std::string attention_bf16_dot();
-void attention_set_bf16_dot(const std::string& mode);  // "auto" | "dpbf16" | "fma" (tests)
+// "auto" (time both once) | "dpbf16" | "fma": set at load from CPUSERVE_ATTN_BF16_DOT (engine/native.py), and by tests.
+void attention_set_bf16_dot(const std::string& mode);
+// Query rows from which an amx unit runs on tiles (default 4; values below 1 count as 1): set at load
+// from CPUSERVE_ATTN_AMX_MIN_ROWS (engine/native.py).
+void attention_set_amx_min_rows(int64_t rows);
+int64_t attention_amx_min_rows();
 // ---- end attention.cpp ----
 
 // ---- fused.cpp (element-wise ops of a Llama layer; torch reference in engine/layers/fused.py) ----
@@ -90,7 +94,7 @@ c10::optional<std::tuple<torch::Tensor, torch::Tensor>> fused_rope(const torch::
                                                                    bool inplace);
 // For other kernels (sampling.cpp): out[i] = exp((x[i] - shift) * scale) over n floats, returns their sum.
 float fused_exp_row(const float* x, float shift, float scale, float* out, int64_t n);
-std::vector<int64_t> fused_isas();  // 0 scalar, 1 avx2, 2 avx512
+std::vector<int64_t> fused_isas();  // kScalar, kAvx2, kAvx512, kAvx512Bf16 (isa.h) this CPU runs
 void fused_set_isa(int64_t isa);    // pin a path (tests); -1: best
 // ---- end fused.cpp ----
 
@@ -101,9 +105,10 @@ void fused_set_isa(int64_t isa);    // pin a path (tests); -1: best
 torch::Tensor sampling_thresholds(const torch::Tensor& e, const torch::Tensor& top_k, const torch::Tensor& top_p);
 // x: float32 [R, V], rows contiguous.  Returns int64 [R]: torch.argmax(x, -1) (first maximum;
 // the first NaN where a row has one).
-// isa: -1 the best this CPU has, 0 scalar, 1 AVX2, 2 AVX-512 (tests pin each one).
+// isa: -1 the best this CPU has, else one of argmax_isas() (isa.h values; tests pin each one).
 torch::Tensor argmax_rows(const torch::Tensor& x, int64_t isa);
 int64_t argmax_best_isa();
+std::vector<int64_t> argmax_isas();  // the argmax paths this CPU runs: kScalar, kAvx2, kAvx512 (isa.h)
 // The draw of engine/sampler.py for rows that sample: logits float32 [R, V] (rows contiguous);
 // per row temperature (> 0), top_k (<= 0 or >= V: none), top_p, min_p (float32) and a uniform u
 // in [0, 1).  Returns (token ids int64 [R], the smallest exp((logit - max) / temperature) each

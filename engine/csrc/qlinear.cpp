@@ -12,10 +12,9 @@
 // rows across OpenMP threads (torch's own libgomp, so one thread pool), and the activation
 // quantization happens inside the same parallel region.
 #include "amx_tiles.h"
-#include "bf16.h"
 #include "ops.h"
 #include "qlinear.h"
-#include "vec512_rows.h"
+#include "vec.h"
 #include "work_spans.h"
 
 #include <immintrin.h>
@@ -82,9 +81,7 @@ struct Problem {
 
 // Greedy decoding's argmax, fused into the logits' epilogue (qlinear_argmax, qlinear_rows_argmax): per activation
 // row, 16 lanes (column modulo 16) of the largest value seen and its column, one set per thread;
-// nothing is stored.  A 32-row LM head of the default model wrote 6.3 MB of float32 logits that the
-// sampler then read back (Zen 4, 2 threads: 3.40 -> 2.81 ms with the epilogue below, plus the
-// argmax pass).  Ties keep the smaller column, since threads may take groups out of order, so the
+// nothing is stored, so the logits are never written and read back.  Ties keep the smaller column, since threads may take groups out of order, so the
 // answer is torch.argmax's first maximum; a NaN is only flagged (the caller then takes the logits).
 struct ArgmaxLanes {
   float* best;  // [m][16], 64-byte aligned
@@ -108,7 +105,7 @@ inline int64_t argmax_merge(const std::vector<ArgmaxLanes>& lanes, int r) {
 // Which blocks of a weight group this pass over it prefetches ahead: the kernels pass over a group
 // once per tile of activation rows, and pass p of `passes` takes blocks p, p + passes, ...  Issued
 // again on every pass, the same prefetches cost issue slots and bunched into the first pass, whose
-// loads then waited behind them (0.75-0.97x the time at 4-64 rows, weights from DRAM, Intel host).
+// loads then waited behind them.
 class PrefetchTurn {
  public:
   PrefetchTurn(int pass, int passes) : phase_(pass), passes_(passes) {}
@@ -155,8 +152,7 @@ struct QuantRow {
 // rows kRowsTile * T onwards, h of them (kRowsTile, or fewer in the last tile), block by block,
 // each block the h rows' 32 int8 back to back; the scales likewise [T][block][h].  A tile's
 // activations then sit behind one pointer with constant offsets: with a row stride, six row
-// pointers and their per-block address arithmetic spilled general registers in the AVX-512 block
-// loop (one thread, 512 rows: gate_up 398-419 -> 418-434 GMAC/s, qkv 395-403 -> 408-415).
+// pointers and their per-block address arithmetic spilled general registers in the AVX-512 block loop.
 constexpr int kRowsTile = 6;
 
 inline int rows_tile_height(int m, int r) { return std::min(kRowsTile, m - r / kRowsTile * kRowsTile); }
@@ -370,24 +366,19 @@ void rows16_group_scalar(const Problem& p, int64_t g) {
 
 // ---------------------------------------------------------------- AVX-512 VNNI path
 
-#define QL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
-
-QL_AVX512 inline __m512 load_x16_avx512(const void* x, bool bf16, int64_t i) {
-  if (bf16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512 load_x16_avx512(const void* x, bool bf16, int64_t i) {
+  if (bf16) return cpuserve::Vec512::load_bf16_ps(static_cast<const uint16_t*>(x) + i);
   return _mm512_loadu_ps(static_cast<const float*>(x) + i);
 }
 
 // high_digit, 16 lanes at a time.
-QL_AVX512 inline __m512i high_digit_avx512(__m512i q) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512i high_digit_avx512(__m512i q) {
   return _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(1.f / 128.f)));
 }
 
 // Block b's int8 digits (one plane, or two for 16-bit activations) from its scale's inverse;
 // returns the digits (q0 + q1 lanes), whose sum is the block's digit sum.
-QL_AVX512 inline __m512i quantize_block_avx512(const QuantRow& r, int b, __m512 v0, __m512 v1, float id) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512i quantize_block_avx512(const QuantRow& r, int b, __m512 v0, __m512 v1, float id) {
   const __m512 vid = _mm512_set1_ps(id);
   const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));  // MXCSR default: nearest even
   const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
@@ -408,16 +399,16 @@ QL_AVX512 inline __m512i quantize_block_avx512(const QuantRow& r, int b, __m512 
 }
 
 // Same results as quantize_row_scalar.  Blocks go 16 at a time: their absolute maxima, scales
-// and digit sums are vectors (cpuserve_vec512::RowReduce16), where one block at a time paid two
-// horizontal reductions and a division in a dependent chain (prefill-sized batches: ~3% of a step).
-QL_AVX512 void quantize_row_avx512(const QuantRow& r) {
+// and digit sums are vectors (cpuserve::RowReduce16), where one block at a time paid two
+// horizontal reductions and a division in a dependent chain.
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void quantize_row_avx512(const QuantRow& r) {
   const int nb = static_cast<int>(r.k / kBlock);
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const float qmax = r.digits == 2 ? kQmax16 : kQmax8;
   auto load = [&](int blk, int half) { return load_x16_avx512(r.x, r.bf16, static_cast<int64_t>(blk) * kBlock + 16 * half); };
   int b = 0;
   for (; b + 16 <= nb; b += 16) {
-    cpuserve_vec512::RowReduce16<true> amax;
+    cpuserve::RowReduce16<true> amax;
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       __m512 a[2];
@@ -429,7 +420,7 @@ QL_AVX512 void quantize_row_avx512(const QuantRow& r) {
     const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.f), d);
     alignas(64) float ids[16];
     _mm512_store_ps(ids, id);
-    cpuserve_vec512::RowReduce16<false> sum;  // integer digit sums, exact in float (< 2^24)
+    cpuserve::RowReduce16<false> sum;  // integer digit sums, exact in float (< 2^24)
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       __m512 t[2];
@@ -462,7 +453,7 @@ QL_AVX512 void quantize_row_avx512(const QuantRow& r) {
 }
 
 // quantize_row16_scalar's results, 16 values at a time.
-QL_AVX512 void quantize_row16_avx512(const void* x, bool bf16, int64_t k, int8_t* q, float* d, int32_t* sums) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void quantize_row16_avx512(const void* x, bool bf16, int64_t k, int8_t* q, float* d, int32_t* sums) {
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   __m512 amax = _mm512_setzero_ps();
   for (int64_t j = 0; j < k; j += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(load_x16_avx512(x, bf16, j), absmask));
@@ -487,13 +478,12 @@ QL_AVX512 void quantize_row16_avx512(const void* x, bool bf16, int64_t k, int8_t
   sums[1] = _mm512_reduce_add_epi32(lo_sum);
 }
 
-QL_AVX512 inline void store16_avx512(const Problem& p, int t, int64_t col, int valid, __m512 v) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void store16_avx512(const Problem& p, int t, int64_t col, int valid, __m512 v) {
   const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1);
   if (p.bias) {
     __m512 bv;
     if (p.bias_bf16)
-      bv = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p.bias) + col)), 16));
+      bv = cpuserve::Vec512::widen_bf16(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p.bias) + col));
     else
       bv = _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p.bias) + col);
     v = _mm512_add_ps(v, bv);
@@ -525,8 +515,7 @@ QL_AVX512 inline void store16_avx512(const Problem& p, int t, int64_t col, int v
 
 // The AVX2 kernels (one group at a time, so one sequential weight stream) prefetch this far ahead
 // of it.  The hardware prefetchers keep up at batch 1, but once a few activation rows make the loop
-// compute-heavier they fall behind: 8 KiB ahead halved the LM head's time at 4 rows and cut ~20-40%
-// at 16 (benchmarks/linear_kernels.py).  Prefetches past the end of the buffer are harmless (they
+// compute-heavier they fall behind.  Prefetches past the end of the buffer are harmless (they
 // never fault).
 #ifndef QL_PREFETCH
 #define QL_PREFETCH 8192
@@ -542,14 +531,10 @@ constexpr int kPrefetchBytes = QL_PREFETCH;
 // issue-bound once its weights are in cache; two groups share the broadcasts there, and each sum
 // runs in two chains.  The integer sums are exact in any order, and each (row, group)'s float
 // accumulation is the same two FMAs per block whatever NG and MT, so every tiling gives the same bits.
-// Against the previous kernel (one group at a time, its 8 weight vectors unpacked before the rows),
-// alternating in one process on the Intel host: the 120 layer linears of the default model 1.05-1.08x
-// at 1 row, 1.03x at 2, 1.07-1.10x at 4, 1.13-1.16x at 8; engine steps 1.00-1.03x at batch 1 and
-// 1.05-1.06x at batch 4.
 // A nibble chunk's high bits (Q5: bit 4; Q6: bits 4-5) from the group-block's plane vectors
 // (layout in qlinear.h): chunk c's low-nibble elements (half 0) or high-nibble ones (half 1).
 template <int QT>
-QL_AVX512 inline __m512i plane_bits_avx512(const __m512i* plane, int c, int half) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512i plane_bits_avx512(const __m512i* plane, int c, int half) {
   if (layout(QT).plane_chunks == 1) {  // bit c (half 0) or 4 + c (half 1) of each byte -> bit 4
     const __m512i v = half == 0 ? _mm512_slli_epi16(plane[0], 4 - c) : _mm512_srli_epi16(plane[0], c);
     return _mm512_and_si512(v, _mm512_set1_epi8(0x10));
@@ -560,10 +545,10 @@ QL_AVX512 inline __m512i plane_bits_avx512(const __m512i* plane, int c, int half
 }
 
 // 16 fp16 values at `at`, and 16 bytes (signed or not), as floats.
-QL_AVX512 inline __m512 half16_avx512(const uint8_t* at) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512 half16_avx512(const uint8_t* at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
-QL_AVX512 inline __m512 bytes16_avx512(const uint8_t* at, bool is_signed) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512 bytes16_avx512(const uint8_t* at, bool is_signed) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
@@ -571,7 +556,7 @@ QL_AVX512 inline __m512 bytes16_avx512(const uint8_t* at, bool is_signed) {
 // The 16 rows' scale d and offset m - zero * d of group-block `br`, elements [16h, 16h + 16)
 // (row_scale in 16 lanes; the offset multiplies the activation block's xd * sum).
 template <int QT>
-QL_AVX512 inline void block_scales_avx512(const BlockRef& br, int h, __m512& dv, __m512& mv) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const BlockRef& br, int h, __m512& dv, __m512& mv) {
   constexpr Layout L = layout(QT);
   if (QT == kQ4_K || QT == kQ5_K) {
     dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 64 + br.sub * 16, false));
@@ -588,7 +573,7 @@ QL_AVX512 inline void block_scales_avx512(const BlockRef& br, int h, __m512& dv,
 }
 
 template <int QT, int NG, int MT, int DIGITS>
-QL_AVX512 void group_tile_avx512(const Problem& p, int64_t g, int t0, int pass, int passes) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& p, int64_t g, int t0, int pass, int passes) {
   constexpr Layout L = layout(QT);
   // Independent integer sums per (group, row, digit): with one row two chains (alternate chunks);
   // split types keep their two halves apart instead (which are two chains as well).
@@ -602,10 +587,8 @@ QL_AVX512 void group_tile_avx512(const Problem& p, int64_t g, int t0, int pass, 
     for (int t = 0; t < MT; ++t) acc[i][t] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   // The same block of the NG groups the next tile reads, into L2, spread over the passes (as the
-  // row-int8 kernel below does).  A fixed distance ahead of each of the NG interleaved streams
-  // missed the start of every other pair's second group: batch 1 on a 2-core Zen 4 host, 8 KiB
-  // ahead into L1 -> this (benchmarks/linear_kernels.py --m 1, alternating builds): the LM head
-  // 1.30-1.32 -> 0.80-0.88 ms, gate_up 54-60 -> 37 us, a token's linears 4.6-5.7 -> 3.2-3.4 ms.
+  // row-int8 kernel below does): a fixed distance ahead of each of the NG interleaved streams
+  // missed the start of every other pair's second group.
   PrefetchTurn turn(pass, passes);
   for (int b = 0; b < nb; ++b) {
     const BlockRef br = block_at<QT>(wg, b);
@@ -690,7 +673,7 @@ QL_AVX512 void group_tile_avx512(const Problem& p, int64_t g, int t0, int pass, 
 // Groups [g0, g1): one activation row takes them in pairs (a lone last group on its own); more
 // rows take one group at a time, in tiles of 4 rows.
 template <int QT, int DIGITS>
-QL_AVX512 void group_range_qt_avx512(const Problem& p, int64_t g0, int64_t g1) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_range_qt_avx512(const Problem& p, int64_t g0, int64_t g1) {
   if (p.m == 1) {
     int64_t g = g0;
     for (; g + 2 <= g1; g += 2) group_tile_avx512<QT, 2, 1, DIGITS>(p, g, 0, 0, 1);
@@ -712,21 +695,21 @@ QL_AVX512 void group_range_qt_avx512(const Problem& p, int64_t g0, int64_t g1) {
 }
 
 template <int QT>
-QL_AVX512 void group_range_digits_avx512(const Problem& p, int64_t g0, int64_t g1) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_range_digits_avx512(const Problem& p, int64_t g0, int64_t g1) {
   p.digits == 2 ? group_range_qt_avx512<QT, 2>(p, g0, g1) : group_range_qt_avx512<QT, 1>(p, g0, g1);
 }
 
-QL_AVX512 void group_range_avx512(const Problem& p, int64_t g0, int64_t g1) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_range_avx512(const Problem& p, int64_t g0, int64_t g1) {
   dispatch_qtype(p.qtype, [&](auto qt) { group_range_digits_avx512<decltype(qt)::value>(p, g0, g1); });
 }
 
 // Row-scaled int8 weights: NG adjacent groups (16 output rows each) times MT activation rows.  A
 // weight vector serves MT rows and a broadcast activation word NG groups, so there are fewer loads
 // per dot product than in the block kernel above, and the only per-block float work is one
-// convert and one FMA (the weight scale is per row, applied once at the end).  Measured at the
-// default model's shapes, 32 rows, 2 threads: 2 x 6 tiles beat 1 x 8 / 2 x 4 / 3 x 4 / 4 x 4.
+// convert and one FMA (the weight scale is per row, applied once at the end).  2 x 6 tiles: the
+// fastest shape measured (benchmarks/HISTORY.md).
 template <int NG, int MT>
-QL_AVX512 void rows_tile_avx512(const Problem& p, int64_t g, int t0, int pass, int passes) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void rows_tile_avx512(const Problem& p, int64_t g, int t0, int pass, int passes) {
   const int nb = p.nb;
   const int64_t gstride = static_cast<int64_t>(nb) * kRowsBlockBytes;
   const uint8_t* wg = p.w + g * gstride;
@@ -736,9 +719,7 @@ QL_AVX512 void rows_tile_avx512(const Problem& p, int64_t g, int t0, int pass, i
   for (int i = 0; i < NG; ++i)
     for (int t = 0; t < MT; ++t) acc[i][t] = _mm512_setzero_ps();
   // The next NG groups' weights into L2 while these compute, which the hardware prefetchers do
-  // not do across the group boundary (gate_up, 32 rows: 510 -> 730 GMAC/s), spread over the
-  // passes (gate_up, 32 rows, weights from DRAM: 156-160 -> 126-130 us; engine alone, 32
-  // streams: 857-937 -> 935-1009 tok/s, Intel host, alternating).
+  // not do across the group boundary, spread over the passes.
   PrefetchTurn turn(pass, passes);
   for (int b = 0; b < nb; ++b, xt += MT * kBlock, dt += MT) {
     const uint8_t* wb = wg + static_cast<int64_t>(b) * kRowsBlockBytes;
@@ -774,7 +755,7 @@ QL_AVX512 void rows_tile_avx512(const Problem& p, int64_t g, int t0, int pass, i
 }
 
 template <int NG>
-QL_AVX512 void rows_groups_avx512(const Problem& p, int64_t g) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void rows_groups_avx512(const Problem& p, int64_t g) {
   static_assert(kRowsTile == 6, "the tail cases below");
   const int passes = (p.m + kRowsTile - 1) / kRowsTile;
   int t = 0, pass = 0;
@@ -790,7 +771,7 @@ QL_AVX512 void rows_groups_avx512(const Problem& p, int64_t g) {
 }
 
 // Groups [g0, g1) in pairs (a lone last group on its own).
-QL_AVX512 void rows_range_avx512(const Problem& p, int64_t g0, int64_t g1) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void rows_range_avx512(const Problem& p, int64_t g0, int64_t g1) {
   int64_t g = g0;
   for (; g + 2 <= g1; g += 2) rows_groups_avx512<2>(p, g);
   if (g < g1) rows_groups_avx512<1>(p, g);
@@ -802,40 +783,20 @@ QL_AVX512 void rows_range_avx512(const Problem& p, int64_t g0, int64_t g1) {
 // the high 32.  Without VNNI, Q4 products go through `vpmaddubsw` (8 of them summed in int16 cannot
 // overflow: 8 * 2 * 15 * 127 < 32768) and Q8_0 through the sign trick on signed weights.
 
-#define QL_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define QL_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
-
-QL_AVX2 inline __m256 load_x8_avx2(const void* x, bool bf16, int64_t i) {
-  if (bf16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX2) inline __m256 load_x8_avx2(const void* x, bool bf16, int64_t i) {
+  if (bf16) return cpuserve::Vec256::load_bf16_ps(static_cast<const uint16_t*>(x) + i);
   return _mm256_loadu_ps(static_cast<const float*>(x) + i);
 }
 
-QL_AVX2 inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-QL_AVX2 inline int32_t hsum8i(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
-
 // int32 -> int8 of 32 values keeping order (packs interleave 128-bit lanes; a permute fixes that)
-QL_AVX2 inline void store_q32_avx2(int8_t* dst, const __m256i* q) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX2) inline void store_q32_avx2(int8_t* dst, const __m256i* q) {
   const __m256i w01 = _mm256_packs_epi32(q[0], q[1]);
   const __m256i w23 = _mm256_packs_epi32(q[2], q[3]);
   const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
 }
 
-QL_AVX2 void quantize_row_avx2(const QuantRow& r) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX2) void quantize_row_avx2(const QuantRow& r) {
   const int nb = static_cast<int>(r.k / kBlock);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const float qmax = r.digits == 2 ? kQmax16 : kQmax8;
@@ -846,7 +807,7 @@ QL_AVX2 void quantize_row_avx2(const QuantRow& r) {
       v[i] = load_x8_avx2(r.x, r.bf16, static_cast<int64_t>(b) * kBlock + 8 * i);
       mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
     }
-    const float d = hmax8(mx) / qmax;
+    const float d = cpuserve::Vec256::hmax(mx) / qmax;
     const float id = d != 0.f ? 1.f / d : 0.f;
     const __m256 vid = _mm256_set1_ps(id);
     __m256i q[4];
@@ -867,14 +828,14 @@ QL_AVX2 void quantize_row_avx2(const QuantRow& r) {
     } else {
       store_q32_avx2(qb, q);
     }
-    const int32_t s = hsum8i(sum);
+    const int32_t s = cpuserve::Vec256::hsum_i32(sum);
     r.d[b * r.d_stride] = d;
     r.sum[b] = s;
     r.s[b] = d * static_cast<float>(s);
   }
 }
 
-QL_AVX2 inline void store8(const Problem& p, int t, int64_t col, int valid, __m256 v) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX2) inline void store8(const Problem& p, int t, int64_t col, int valid, __m256 v) {
   alignas(32) float tmp[8];
   _mm256_store_ps(tmp, v);
   for (int i = 0; i < valid; ++i) store1_scalar(p, t, col + i, tmp[i]);
@@ -884,7 +845,7 @@ QL_AVX2 inline void store8(const Problem& p, int t, int64_t col, int valid, __m2
 }  // namespace qlinear
 
 #define QL_NS avx2_plain
-#define QL_TARGET QL_AVX2
+#define QL_TARGET CPUSERVE_TARGET(CPUSERVE_ISA_AVX2)
 #define QL_VNNI 0
 #include "qlinear_avx2.h"
 #undef QL_NS
@@ -892,7 +853,7 @@ QL_AVX2 inline void store8(const Problem& p, int t, int64_t col, int valid, __m2
 #undef QL_VNNI
 
 #define QL_NS avx2_vnni
-#define QL_TARGET QL_AVXVNNI
+#define QL_TARGET CPUSERVE_TARGET(CPUSERVE_ISA_AVX_VNNI)
 #define QL_VNNI 1
 #include "qlinear_avx2.h"
 #undef QL_NS
@@ -906,22 +867,8 @@ namespace {
 
 // ---------------------------------------------------------------- dispatch
 
-bool isa_supported(int isa) {
-  switch (isa) {
-    case kScalar: return true;
-    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    case kAvxVnni: return isa_supported(kAvx2) && __builtin_cpu_supports("avxvnni");
-    case kAvx512Vnni:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("avx512vnni") && isa_supported(kAvx2);
-    case kAmxInt8: {
-      static const bool ok = CPUSERVE_HAVE_AMX && isa_supported(kAvx512Vnni) && cpu_has_amx_int8();
-      return ok;
-    }
-    default: return false;
-  }
-}
+// The paths of this file (isa.h values kScalar..kAmxInt8) that this CPU runs.
+bool isa_supported(int isa) { return isa >= kScalar && isa <= kAmxInt8 && cpuserve::cpu_supports(isa); }
 
 // The block kernels' best path (kAmxInt8 runs the row-int8 weights only).
 int best_isa() {
@@ -1089,11 +1036,8 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
       std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(omp_get_max_threads()), groups, work / kParallelMinBytes})));
   const bool parallel = threads > 1 && !omp_in_parallel();
   // Small activations are quantized up front by the calling thread (a few microseconds at most), so
-  // the region has no barrier inside.  From 16K elements the region's threads split the rows: while
-  // one thread quantized 32 rows of 576 (~9 us a call, ~0.6 ms of a 32-stream step) the others waited.
-  // Engine alone, 32 streams, alternating step by step with the old rule: steps 0-2.5% shorter in
-  // nine runs (median ~0.5%); 16 streams -0.4-1.7%.  Larger batches had a parallel loop of their
-  // own before the product's region; now they take one region.
+  // the region has no barrier inside.  From 16K elements the region's threads split the rows, so
+  // that the others do not wait while one thread quantizes them all.
   const bool quant_inside = parallel && m * k >= kParallelQuantElems;
   if (!quant_inside)
     for (int64_t r = 0; r < m; ++r) quant_row(r);

@@ -43,6 +43,8 @@
 // no per-block weight scale, a block's integer dot product needs one convert and one FMA (by the
 // activation block's scale), instead of four float operations, and no nibble unpacking.
 #pragma once
+
+#include "isa.h"
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -185,10 +187,14 @@ inline void row_quants(const uint8_t* q, int qt, int r, uint8_t out[32]) {
     }
 }
 
-// Instruction-set paths, best last.  `isa` arguments take these values, or -1 for the best available.
+// Instruction-set paths (isa.h), best last: kScalar, kAvx2, kAvxVnni, kAvx512Vnni for every weight;
 // kAmxInt8 (AMX int8 tiles) runs the row-scaled int8 weights only: two of their group-blocks in a
 // row are already AMX's B-tile layout for 64 k (16 rows of 4-byte words for 16 columns); the GGUF
 // group-blocks, with nibbles and per-block scales, are not.
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAmxInt8 = 4 };
+using cpuserve::kAmxInt8;
+using cpuserve::kAvx2;
+using cpuserve::kAvx512Vnni;
+using cpuserve::kAvxVnni;
+using cpuserve::kScalar;
 
 }  // namespace qlinear

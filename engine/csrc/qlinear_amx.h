@@ -5,12 +5,10 @@
 // words), as stored.  The activations come rounded to 15 bits per whole row (two int8 digit
 // planes, one scale per row: Problem::act_rows16, layout rows16_q), so a row's products need no
 // per-block scale: two `tdpbsud` per 64-k chunk (high and low digits) add into int32 C tiles over
-// the whole of K, and the float work happens once per output, in the epilogue.  (With the VNNI
-// kernel's per-32-block int8 activations every block's sums had to be stored and converted: a
-// tile product cost the same for 32 k as for 64, and the store + convert + FMA of 16 rows per
-// block took ~3x the product's time; 42-44% of a 32-stream decode step went there.)  The rounding
-// error of the 15-bit rows is ~1/30 of the 8-bit blocks' on the default model's real activations
-// (benchmarks.quality measures the path end to end).
+// the whole of K, and the float work happens once per output, in the epilogue (per-32-block
+// activations would need every block's sums stored and converted, which costs more than the tile
+// products).  The 15-bit rows also round less than the 8-bit blocks (benchmarks.quality measures
+// the path end to end).
 //
 // Tiles, configured once per thread and call (rows R = min(m, 16)): tmm0/tmm1 the A tiles (high
 // and low digits of R rows x 64 k), tmm2/tmm3 two groups' B tiles, tmm4-7 their C tiles (high and
@@ -19,8 +17,7 @@
 //
 // Included by qlinear.cpp only, after its helpers (Problem, rows16_q, store16_avx512).
 #if CPUSERVE_HAVE_AMX
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
+CPUSERVE_TARGET_BEGIN(CPUSERVE_ISA_AMX_INT8)
 
 namespace qlinear {
 namespace amx {
@@ -133,5 +130,5 @@ void rows16_range(const Problem& p, int64_t g0, int64_t g1) {
 }  // namespace amx
 }  // namespace qlinear
 
-#pragma GCC pop_options
+CPUSERVE_TARGET_END
 #endif  // CPUSERVE_HAVE_AMX

@@ -1,14 +1,13 @@
 // Sampler kernels (engine/sampler.py):
 // - top-k / top-p cut-offs for the rows its ranked candidates did not settle: a selection per
 //   row, O(vocab), instead of sorting the vocabulary.  A flat distribution (high temperature,
-//   an unfamiliar prompt) under top_p = 0.95 keeps tens of thousands of tokens; torch's sort of
-//   49,152 of them cost ~2.4 ms a row here.
-// - greedy argmax: torch's CPU argmax took ~0.44 ms for 32 rows of 49,152 logits (~2% of a
-//   32-row decode step); one AVX-512 pass takes a few microseconds a row.  On AVX2-only hosts the
-//   scalar scan took 1.3-3.8 ms for those rows (a 2-core Zen 3; torch's 2.0 ms), the AVX2 pass
-//   0.14 ms.
+//   an unfamiliar prompt) under top_p = 0.95 keeps tens of thousands of tokens, which a sort
+//   of the vocabulary pays for on every row.
+// - greedy argmax: one vector pass (AVX-512, AVX2 or scalar) a row, a few microseconds, where
+//   torch's CPU argmax costs a measurable share of a decode step.
 // - the whole draw of sampled rows (sample_rows, below): temperature, the cut-offs, min-p and
 //   the inverse-CDF lookup in one buffer a row.
+#include "isa.h"
 #include "ops.h"
 
 #include <immintrin.h>
@@ -132,7 +131,7 @@ int64_t argmax_scalar(const float* x, int64_t n, int64_t from = 0, int64_t best 
 
 // 16 lanes each keep their first maximum (strict >); the smallest index among the lanes holding
 // the overall maximum is then the row's first.  A NaN anywhere defers to the scalar scan.
-__attribute__((target("avx512f"))) int64_t argmax_avx512(const float* x, int64_t n) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512) int64_t argmax_avx512(const float* x, int64_t n) {
   if (n < 16 || n >= (int64_t{1} << 31)) return argmax_scalar(x, n);
   __m512 best = _mm512_loadu_ps(x);
   __m512i best_i = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -155,7 +154,7 @@ __attribute__((target("avx512f"))) int64_t argmax_avx512(const float* x, int64_t
 }
 
 // argmax_avx512 in 8-lane halves, two vectors a step (independent compare/blend chains).
-__attribute__((target("avx2"))) int64_t argmax_avx2(const float* x, int64_t n) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX2) int64_t argmax_avx2(const float* x, int64_t n) {
   if (n < 16 || n >= (int64_t{1} << 31)) return argmax_scalar(x, n);
   __m256 best0 = _mm256_loadu_ps(x), best1 = _mm256_loadu_ps(x + 8);
   __m256i idx0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx1 = _mm256_add_epi32(idx0, _mm256_set1_epi32(8));
@@ -187,12 +186,17 @@ __attribute__((target("avx2"))) int64_t argmax_avx2(const float* x, int64_t n) {
   return argmax_scalar(x, n, i, ids[lane]);  // then the tail
 }
 
-enum ArgmaxIsa { kArgmaxScalar = 0, kArgmaxAvx2 = 1, kArgmaxAvx512 = 2 };
+using cpuserve::kAvx2;
+using cpuserve::kAvx512;
+using cpuserve::kScalar;
+
+// The paths this file has, best first.
+constexpr int kArgmaxPaths[] = {kAvx512, kAvx2, kScalar};
 
 int64_t argmax_row(int isa, const float* x, int64_t n) {
   switch (isa) {
-    case kArgmaxAvx512: return argmax_avx512(x, n);
-    case kArgmaxAvx2: return argmax_avx2(x, n);
+    case kAvx512: return argmax_avx512(x, n);
+    case kAvx2: return argmax_avx2(x, n);
     default: return argmax_scalar(x, n);
   }
 }
@@ -217,7 +221,7 @@ constexpr int kCensusFloors = 4;
 constexpr float kCensusValues[kCensusFloors] = {1.f / (1 << 4), 1.f / (1 << 8), 1.f / (1 << 12), 1.f / (1 << 16)};
 
 // Whole vectors of floor_census below; returns where the scalar tail starts.
-__attribute__((target("avx512f"))) int64_t floor_census_avx512(const float* e, int64_t V, int64_t* count, float* mass) {
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512) int64_t floor_census_avx512(const float* e, int64_t V, int64_t* count, float* mass) {
   __m512 m[kCensusFloors];
   __m512i c[kCensusFloors];
   for (int f = 0; f < kCensusFloors; ++f) m[f] = _mm512_setzero_ps(), c[f] = _mm512_setzero_si512();
@@ -235,7 +239,7 @@ __attribute__((target("avx512f"))) int64_t floor_census_avx512(const float* e, i
 }
 
 // Whole vectors of gather_candidates below: appends at *n; returns where the scalar tail starts.
-__attribute__((target("avx512f"))) int64_t gather_avx512(const float* e, int64_t V, float floor, float* vals,
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512) int64_t gather_avx512(const float* e, int64_t V, float floor, float* vals,
                                                          int32_t* idx, int64_t* n) {
   const __m512 fl = _mm512_set1_ps(floor);
   __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -263,7 +267,7 @@ void floor_census(const float* e, int64_t V, int64_t* count, double* mass) {
   float m[kCensusFloors] = {0.f};
   for (int f = 0; f < kCensusFloors; ++f) count[f] = 0;
   int64_t i = 0;
-  if (argmax_best_isa() == kArgmaxAvx512) i = floor_census_avx512(e, V, count, m);
+  if (argmax_best_isa() == kAvx512) i = floor_census_avx512(e, V, count, m);
   for (; i < V; ++i)
     for (int f = 0; f < kCensusFloors; ++f)
       if (e[i] >= kCensusValues[f]) ++count[f], m[f] += e[i];
@@ -275,7 +279,7 @@ double gather_candidates(const float* e, int64_t V, float floor, DrawScratch& s)
   s.cand.resize(V);
   s.cand_idx.resize(V);
   int64_t n = 0, i = 0;
-  if (argmax_best_isa() == kArgmaxAvx512) i = gather_avx512(e, V, floor, s.cand.data(), s.cand_idx.data(), &n);
+  if (argmax_best_isa() == kAvx512) i = gather_avx512(e, V, floor, s.cand.data(), s.cand_idx.data(), &n);
   for (; i < V; ++i)
     if (e[i] >= floor) s.cand[n] = e[i], s.cand_idx[n++] = static_cast<int32_t>(i);
   s.cand.resize(n);
@@ -358,7 +362,7 @@ std::pair<int64_t, float> sample_row(const float* x, int64_t V, float temperatur
 // Whole vectors of x from `from` on: calls offer(i) for each element above floor() (which
 // offers raise); returns where the scalar tail starts.
 template <typename Offer, typename Floor>
-__attribute__((target("avx512f"))) int64_t top_k_scan_avx512(const float* x, int64_t V, int64_t from, Offer offer,
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512) int64_t top_k_scan_avx512(const float* x, int64_t V, int64_t from, Offer offer,
                                                              Floor floor) {
   int64_t i = from;
   __m512 fl = _mm512_set1_ps(floor());
@@ -382,7 +386,7 @@ void row_top_k(const float* x, int64_t V, int64_t k, float* vals, int64_t* ids) 
     vals[j] = x[i], ids[j] = i;
   };
   int64_t i = 0;
-  if (k > 0 && argmax_best_isa() == kArgmaxAvx512) {
+  if (k > 0 && argmax_best_isa() == kAvx512) {
     for (; i < V && n < k; ++i) offer(i);
     i = top_k_scan_avx512(x, V, i, [&](int64_t at) { offer(at); }, [&] { return vals[k - 1]; });
   }
@@ -392,10 +396,19 @@ void row_top_k(const float* x, int64_t V, int64_t k, float* vals, int64_t* ids) 
 }  // namespace
 
 int64_t argmax_best_isa() {
-  static const int isa = __builtin_cpu_supports("avx512f") ? kArgmaxAvx512
-                         : __builtin_cpu_supports("avx2") ? kArgmaxAvx2
-                                                          : kArgmaxScalar;
+  static const int isa = [] {
+    for (int p : kArgmaxPaths)
+      if (cpuserve::cpu_supports(p)) return p;
+    return static_cast<int>(kScalar);
+  }();
   return isa;
+}
+
+std::vector<int64_t> argmax_isas() {
+  std::vector<int64_t> out;
+  for (int p : kArgmaxPaths)
+    if (cpuserve::cpu_supports(p)) out.insert(out.begin(), p);
+  return out;
 }
 
 torch::Tensor argmax_rows(const torch::Tensor& x, int64_t isa) {
@@ -403,9 +416,10 @@ torch::Tensor argmax_rows(const torch::Tensor& x, int64_t isa) {
               "argmax_rows: x must be a float32 CPU matrix with contiguous rows");
   const int64_t R = x.size(0), V = x.size(1), ld = x.stride(0);
   TORCH_CHECK(V > 0, "argmax_rows: rows must not be empty");
-  const int64_t best = argmax_best_isa();
-  TORCH_CHECK(isa <= best, "argmax_rows: path ", isa, " is not supported on this CPU (best: ", best, ")");
-  const int path = static_cast<int>(isa < 0 ? best : isa);
+  const std::vector<int64_t> paths = argmax_isas();
+  TORCH_CHECK(isa < 0 || std::find(paths.begin(), paths.end(), isa) != paths.end(), "argmax_rows: path ", isa,
+              " is not supported on this CPU");
+  const int path = static_cast<int>(isa < 0 ? argmax_best_isa() : isa);
   torch::Tensor out = torch::empty({R}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
