@@ -366,9 +366,10 @@ def adopt(name: str, pid: int, port: int, log_path: Union[str, Path], cmd: Seque
 
 def service_flag_env() -> set[str]:
     """The environment variables that stand for the service's own flags (``CPUSERVE_<FLAG>``)."""
-    from service.__main__ import build_parser, env_name
+    from engine.envs import flag_env_name
+    from service.__main__ import build_parser
 
-    return {env_name(a.option_strings[0]) for a in build_parser({})._actions
+    return {flag_env_name(a.option_strings[0]) for a in build_parser({})._actions
             if a.option_strings and a.option_strings[0].startswith("--")}
 
 
