@@ -10,8 +10,10 @@ HAProxy's `retry-on 503`), and requests already running finish.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +56,27 @@ def completion(base: str, max_tokens: int) -> httpx.Response:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}
     return httpx.post(base + "/v1/completions", json=body, timeout=120)
+
+
+def long_completion(base: str, started: threading.Event, max_tokens: int = 48) -> tuple[int, str, int]:
+    """A streamed completion that sets ``started`` once its first token arrives (it is then running,
+    not merely sent); returns (status, error body, completion tokens from the usage chunk)."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                return r.status_code, r.read().decode()[:200], 0
+            tokens = 0
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                started.set()
+                usage = json.loads(line[len("data: "):]).get("usage")
+                tokens = usage["completion_tokens"] if usage else tokens
+            return 200, "", tokens
+    finally:
+        started.set()
 
 
 def served(server: ServerProcess) -> float:
@@ -109,21 +132,24 @@ def test_drain_loses_no_request_and_the_other_replica_serves(replicas: list[Serv
         # Long requests in flight when `a` is told to stop: three sent to `a` itself (the proxy
         # does not count them, so its least-connections choice sends the next requests to `a`,
         # into the drain, and they must be retried on `b`), three through the proxy.
-        running = [pool.submit(completion, a.url, 48) for _ in range(3)]
-        running += [pool.submit(completion, proxy, 48) for _ in range(3)]
-        wait_for(lambda: metric(scrape(a.url), "cpuserve:num_requests_running", absent=0.0) > 0, 30,
-                 "requests running on replica a")
+        # Each must be running (its first token streamed) before the signal: one still on its way
+        # to `a` would be refused with no proxy to retry it, a race of the test, not a lost request.
+        started = [threading.Event() for _ in range(6)]
+        running = [pool.submit(long_completion, a.url, e) for e in started[:3]]
+        running += [pool.submit(long_completion, proxy, e) for e in started[3:]]
+        assert all(e.wait(60) for e in started), "the long requests never started"
         a.signal(signal.SIGTERM)
         # new requests keep arriving during the drain
         later = []
         for _ in range(8):
             later.append(pool.submit(completion, proxy, 4))
             time.sleep(0.25)
-        results = [f.result() for f in running + later]
-    bad = [(r.status_code, r.text[:200]) for r in results if r.status_code != 200]
+        long_results = [f.result() for f in running]
+        results = [f.result() for f in later]
+    bad = [(status, text) for status, text, _ in long_results if status != 200]
+    bad += [(r.status_code, r.text[:200]) for r in results if r.status_code != 200]
     assert not bad, f"requests lost during the drain: {bad}"
-    for r in results[:6]:
-        assert r.json()["usage"]["completion_tokens"] == 48, "an in-flight request was cut short"
+    assert [tokens for _, _, tokens in long_results] == [48] * 6, "an in-flight request was cut short"
     assert a.proc.wait(timeout=40) == 0, a.log_tail()
     for _ in range(3):
         r = completion(proxy, 4)
