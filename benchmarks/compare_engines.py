@@ -30,14 +30,15 @@ def log_path(a: argparse.Namespace, engine: str, port: int) -> str:
 
 
 def start_ours(a: argparse.Namespace, port: int) -> ServerProcess:
-    """``python -m service`` serving ``a.gguf`` (the file llama-server runs) under ``a.served_name``,
-    or ``--ours-cmd`` with its fields filled in; the caller's environment passes unchanged."""
+    """``python -m service`` serving ``a.ours_model`` (the GGUF llama-server runs, or with
+    ``--gguf-type hf`` the HF directory vLLM-CPU runs) under ``a.served_name``, or ``--ours-cmd``
+    with its fields filled in; the caller's environment passes unchanged."""
     if a.ours_cmd:
         cmd = shlex.split(a.ours_cmd.format(python=a.python, port=port, model=a.served_name, gguf=a.gguf))
     else:
         args = ["--served-model-name", a.served_name]
-        if a.gguf != default_gguf_path():
-            args += ["--model", a.gguf]
+        if a.ours_model != default_gguf_path():
+            args += ["--model", a.ours_model]
         cmd = harness.service_command(port, args, a.python)
     cmd += shlex.split(a.ours_args)
     return harness.launch("ours", cmd, port, log_path(a, "ours", port), cwd=harness.REPO)

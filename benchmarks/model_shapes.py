@@ -149,7 +149,8 @@ def floor_lines(bytes_gguf: int, bytes_bf16: int, bandwidth: float, gguf_type: s
     for engine, tpot in tpot_ms.items():
         if tpot is None:
             continue
-        floor = floor_bf16 if engine == "vLLM-CPU" else floor_gguf
+        bf16 = engine == "vLLM-CPU" or gguf_type == "bf16"
+        floor = floor_bf16 if bf16 else floor_gguf
         lines.append(f"- {engine} c=1 TPOT p50 {tpot:.2f} ms = {tpot / floor:.2f} x its floor "
-                     f"({'bf16' if engine == 'vLLM-CPU' else gguf_type}, {floor:.2f} ms)")
+                     f"({'bf16' if bf16 else gguf_type}, {floor:.2f} ms)")
     return lines

@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -155,6 +156,26 @@ def test_compare_model_mode_defaults(tmp_path):
     assert a.served_name == "smollm2" and a.workloads == "c1,c16,c32,long" and not a.floor and a.hf_dir is None
     with pytest.raises(SystemExit):
         compare.parse_args(["--model", str(d), "--gguf-type", "q2_k"])
+
+
+def test_compare_hf_type_serves_ours_from_the_hf_directory(tmp_path):
+    """--gguf-type hf: ours runs the hf/ directory vLLM-CPU runs (dense bf16), its floor is the bf16 one,
+    and llama-server, which reads GGUF files only, is refused up front."""
+    from benchmarks import compare
+    from benchmarks.compare_engines import start_ours
+
+    d = _model_dir(tmp_path, types=("q4_k_m", "f16"))
+    a = compare.parse_args(["--model", str(d), "--gguf-type", "hf", "--peers", "vllm"])
+    assert a.ours_model == str(d / "hf") and a.gguf == str(d / "f16.gguf") and a.gguf_type == "bf16"
+    assert compare.parse_args(["--model", str(d)]).ours_model == str(d / "q4_k_m.gguf")
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--model", str(d), "--gguf-type", "hf", "--peers", "llama"])
+    started = []
+    with mock.patch("benchmarks.harness.launch", lambda name, cmd, *rest, **kw: started.append(cmd)):
+        start_ours(a, 1234)
+    assert started[0][started[0].index("--model") + 1] == str(d / "hf")
+    lines = shapes.floor_lines(2_000_000, 2_000_000, 1e9, "bf16", {"ours": 4.0})
+    assert lines[1].endswith("(bf16, 2.00 ms)")
 
 
 def test_compare_model_mode_end_to_end_with_fake_server(tmp_path):
