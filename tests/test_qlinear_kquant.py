@@ -204,3 +204,43 @@ def test_dense_projections_are_logged_with_their_reason(tmp_path, caplog):
     line = next(r.getMessage() for r in caplog.records if "dense projections" in r.getMessage())
     assert "self_attn.qkv_proj in 2 layers (Q3_K 256x256, Q3_K 128x256, Q3_K 128x256: Q3_K has no packed kernel)" in line
     assert "lm_head (Q3_K" in line
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_qtype_layers_run_the_native_decoder_layer_bit_for_bit(tmp_path, arch):
+    """A Q4_K_M model's layers whose q/k/v mix Q4_K and Q6_K (and, in Qwen2, carry q/k/v biases)
+    run the native decoder layer with one kernel call a part, and give the modular path's tokens and
+    log-probabilities to the bit; bf16, so mid-sized batches take the int8-activation kernel too."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.engine import LLMEngine
+    from engine.request import SamplingParams
+
+    path = str(make_tiny_gguf(tmp_path, arch, "Q4_K_M"))
+    cfg = EngineConfig(model=path, dtype="bfloat16", cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
+    engine = LLMEngine(cfg)
+    model = engine.runner.model
+    mixed = [i for i, layer in enumerate(model.layers) if isinstance(layer.self_attn.qkv_proj.packed, qweights.PackedParts)]
+    assert mixed and all(layer.packed is not None for layer in model.layers)
+    prompts = ["the hat", "a tent in the", " ".join(["word"] * 40)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def generate() -> dict:
+        out: dict = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        while engine.has_unfinished():
+            for d in engine.step()[0]:
+                out.setdefault(d.request_id, []).extend((lp.token_id, lp.logprob, tuple(lp.top)) for lp in d.new_logprobs)
+        return out
+
+    native = generate()
+    saved = [layer.packed for layer in model.layers]
+    body, model.packed_body = model.packed_body, None
+    for layer in model.layers:
+        layer.packed = None
+    modular = generate()
+    for layer, packed in zip(model.layers, saved):
+        layer.packed = packed
+    model.packed_body = body
+    assert native == modular and all(len(v) == 8 for v in native.values())

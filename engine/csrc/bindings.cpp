@@ -97,7 +97,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("data"), py::arg("qtype"), py::arg("n"), py::arg("k"), py::arg("bias"), py::arg("isa"),
            py::arg("act_bits"), py::arg("max_rows"), py::arg("large_act_bits"), py::arg("rows_data") = py::none(),
-           py::arg("rows_scales") = py::none(), py::arg("rows_isa") = -1, py::arg("rows_min_rows") = 0);
+           py::arg("rows_scales") = py::none(), py::arg("rows_isa") = -1, py::arg("rows_min_rows") = 0)
+      .def_static(
+          "stacked",
+          [](std::vector<PackedProjection> parts, int64_t max_rows, int64_t large_act_bits,
+             c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> rows_data,
+             c10::optional<torch::Tensor> rows_scales, int64_t rows_isa, int64_t rows_min_rows) {
+            TORCH_CHECK(parts.size() >= 2, "a stacked projection needs two parts or more");
+            TORCH_CHECK(rows_data.has_value() == rows_scales.has_value(), "rows_data and rows_scales go together");
+            int64_t n = 0;
+            for (const PackedProjection& p : parts) {
+              TORCH_CHECK(p.k == parts[0].k && p.parts.empty(), "parts need one in_features and no parts of their own");
+              n += p.n;
+            }
+            const PackedProjection& first = parts[0];
+            return PackedProjection{first.data, first.qtype, n, first.k, bias, first.isa, first.act_bits, max_rows,
+                                    large_act_bits, rows_data, rows_scales, rows_isa, rows_min_rows, std::move(parts)};
+          },
+          "row-stacked parts of different qtypes (each with its own bias slice) as one projection; bias and the "
+          "row-int8 copy are the whole stack's",
+          py::arg("parts"), py::arg("max_rows"), py::arg("large_act_bits"), py::arg("bias") = py::none(),
+          py::arg("rows_data") = py::none(), py::arg("rows_scales") = py::none(), py::arg("rows_isa") = -1,
+          py::arg("rows_min_rows") = 0);
   py::class_<PackedDecoderLayer>(m, "PackedDecoderLayer")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, double eps, const PackedProjection& qkv,
                        const PackedProjection& o, const PackedProjection& gate_up, const PackedProjection& down,

@@ -23,10 +23,18 @@ torch::Tensor PackedProjection::operator()(const torch::Tensor& x) const {
   // larger batches on the row-scaled int8 copy from rows_min_rows rows, else at large_act_bits
   // (PackedDecoderLayer is only used where that is set or the batch is small enough).
   const int64_t m = x.size(0);
-  if (m <= max_rows) return qlinear_forward(x, data, qtype, n, k, bias, isa, act_bits);
+  if (m <= max_rows) return blocks(x, 0);
   if (rows_data.has_value() && m >= rows_min_rows)
     return qlinear_rows_forward(x, *rows_data, *rows_scales, n, k, bias, rows_isa);
-  return qlinear_forward(x, data, qtype, n, k, bias, isa, large_act_bits);
+  return blocks(x, large_act_bits);
+}
+
+torch::Tensor PackedProjection::blocks(const torch::Tensor& x, int64_t bits) const {
+  if (parts.empty()) return qlinear_forward(x, data, qtype, n, k, bias, isa, bits ? bits : act_bits);
+  std::vector<torch::Tensor> outs;
+  outs.reserve(parts.size());
+  for (const PackedProjection& p : parts) outs.push_back(p.blocks(x, bits));
+  return at::cat(outs, 1);
 }
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> PackedDecoderLayer::pre_attention(

@@ -126,6 +126,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_rows(const torc
 // ---- decoder_layer.cpp (a Llama layer's packed path around its attention; see engine/models/llama.py) ----
 // One packed projection with Linear.forward's routing: rows <= max_rows at act_bits; larger
 // batches from rows_min_rows rows on the row-scaled int8 copy when there is one, else at large_act_bits.
+// With parts (engine.quant.weights.PackedParts: row-stacked weights of different qtypes, e.g. a
+// Q4_K_M file's q/k in Q4_K and v in Q6_K) the block kernel runs once per part, each at its own
+// act_bits, into its columns of the output; data and qtype are then unused.
 struct PackedProjection {
   torch::Tensor data;
   int64_t qtype, n, k;
@@ -133,7 +136,10 @@ struct PackedProjection {
   int64_t isa, act_bits, max_rows, large_act_bits;
   c10::optional<torch::Tensor> rows_data, rows_scales;
   int64_t rows_isa, rows_min_rows;
+  std::vector<PackedProjection> parts;
   torch::Tensor operator()(const torch::Tensor& x) const;
+  // The block kernel at act_bits (0: each part's own).
+  torch::Tensor blocks(const torch::Tensor& x, int64_t bits) const;
 };
 struct PackedDecoderLayer {
   torch::Tensor input_norm, post_norm;

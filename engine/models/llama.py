@@ -124,19 +124,26 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         projs = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         model_dtype = attn.qkv_proj.weight.dtype in (torch.bfloat16, torch.float32)  # the fused ops' dtypes
-        from engine.quant.weights import PackedWeight
+        from engine.quant.weights import PackedParts, PackedWeight
 
-        # single packed weights only (PackedParts, mixed qtypes, run the modular path)
-        if mod is None or not model_dtype or any(not isinstance(p.packed, PackedWeight) for p in projs):
+        if mod is None or not model_dtype or any(not isinstance(p.packed, (PackedWeight, PackedParts)) for p in projs):
             return False
 
         def spec(lin: Linear) -> Any:
-            p = lin.packed
-            r = lin.rows_int8
+            p, r = lin.packed, lin.rows_int8
+            rows = (None, None, -1) if r is None else (r.data, r.scales, r.isa_id)
+            if isinstance(p, PackedParts):  # mixed qtypes (a Q4_K_M file's Q6_K v rows): one kernel call a part
+                parts, at = [], 0
+                for w in p.parts:
+                    bias = None if lin.bias is None else lin.bias[at : at + w.out_features]
+                    parts.append(mod.PackedProjection(w.data, w.qtype_id, w.out_features, w.in_features, bias,
+                                                      w.isa_id, w.act_bits, 0, 0))
+                    at += w.out_features
+                return mod.PackedProjection.stacked(parts, lin.packed_max_rows, lin.large_act_bits, lin.bias,
+                                                    *rows, lin.rows_int8_min_rows)
             return mod.PackedProjection(p.data, p.qtype_id, p.shape[0], p.shape[1], lin.bias, p.isa_id,
-                                        p.act_bits, lin.packed_max_rows, lin.large_act_bits,
-                                        None if r is None else r.data, None if r is None else r.scales,
-                                        -1 if r is None else r.isa_id, lin.rows_int8_min_rows)
+                                        p.act_bits, lin.packed_max_rows, lin.large_act_bits, *rows,
+                                        lin.rows_int8_min_rows)
 
         self.packed = mod.PackedDecoderLayer(
             self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,

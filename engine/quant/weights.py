@@ -199,8 +199,8 @@ class PackedParts(_WeightShape):
 
     A merged projection whose sources differ in type (a Q4_K_M file's qkv_proj: q and k in Q4_K,
     v in Q6_K in half the layers) keeps each source's own blocks instead of going dense; each part
-    is one kernel call into its slice of the output columns.  The fused decoder layer takes single
-    packed weights only, so such a layer runs the modular path.
+    is one kernel call into its slice of the output columns (in the fused decoder layer too:
+    PackedProjection.stacked in engine/csrc/decoder_layer.cpp).
     """
 
     def __init__(self, parts: Sequence[PackedWeight]) -> None:
