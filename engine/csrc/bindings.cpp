@@ -37,6 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = -1, py::arg("act_bits") = 0);
   m.def("qlinear_isas", &qlinear_isas, "qlinear instruction-set paths usable on this CPU");
   m.def("qlinear_best_isa", &qlinear_best_isa, "the qlinear path used by default");
+  m.def("dense_bf16_supported", &dense_bf16_supported, "whether dense_bf16_forward runs here (AVX512-BF16)");
+  m.def("dense_bf16_forward", &dense_bf16_forward, "x @ W^T for a dense bf16 weight, small batches", nogil,
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("out_float32") = false);
   m.def("qlinear_rows_isas", &qlinear_rows_isas, "row-int8 instruction-set paths usable on this CPU, best last");
   // ---- end qlinear.cpp ----
   m.def("qlinear_rows_from_packed", &qlinear_rows_from_packed, "row-scaled int8 copy of a packed weight", nogil,

@@ -34,6 +34,14 @@ std::vector<int64_t> qlinear_rows_isas();  // usable row-int8 paths, best last: 
 int64_t qlinear_best_isa();
 // ---- end qlinear.cpp ----
 
+// ---- dense_bf16.cpp (small batches of a dense bf16 weight) ----
+// y = x @ W^T (+ bias): x bf16 [M, K], weight contiguous bf16 [N, K], bias
+// bf16 [N]; y [M, N] bf16, or float32 when out_float32.  AVX512-BF16 only (dense_bf16_supported).
+bool dense_bf16_supported();
+torch::Tensor dense_bf16_forward(const torch::Tensor& x, const torch::Tensor& weight,
+                                 const c10::optional<torch::Tensor>& bias, bool out_float32 = false);
+// ---- end dense_bf16.cpp ----
+
 // ---- qlinear_rows.cpp ----
 // [data, scales]: the row-scaled int8 copy (qlinear.h) of a packed weight [n, k] (any qtype of qlinear.h),
 // bit-identical to engine/layers/quant.py's torch definition (quantize_rows_int8 of the dequantized blocks).

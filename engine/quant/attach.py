@@ -248,6 +248,10 @@ def attach_quantized_weights(model: nn.Module, config: "EngineConfig", loaded: "
     if config.weight_quant != "none":
         _attach(model, config, loaded, absent, unfilled)
     _check_served(model, unfilled)
+    dense = routing.route_dense_bf16(model)
+    if dense:
+        logger.info("dense bf16 projections: batches of up to %d rows on the native AVX512-BF16 kernel (%d projections)",
+                    routing.DENSE_BF16_MAX_ROWS, dense)
 
 
 def _attach(model: nn.Module, config: "EngineConfig", loaded: "LoadedModel", absent: set[str], unfilled: set[str]) -> None:

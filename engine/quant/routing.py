@@ -48,6 +48,12 @@ ROWS_INT8_CANDIDATES = (6, 8, 12, 16, 20)
 # the copies are the less accurate path, and a noisy host must not flip the choice between loads.
 ROWS_INT8_TIE = 0.01
 
+# Dense bf16 weights (a Hugging Face directory served as it is): batches of at most this many rows
+# take the native AVX512-BF16 kernel (engine/csrc/dense_bf16.cpp), which streams the weight faster
+# than torch's bf16 GEMM (which reorders the weight at every call); larger ones stay on F.linear,
+# which catches up as they turn compute-bound.
+DENSE_BF16_MAX_ROWS = 16
+
 # Activation precision inside the kernel: 16 = each 32-block rounded to 15 bits (two int8 digits;
 # error ~3e-5 of the block max, below bf16's own rounding), 8 = llama.cpp's int8 (~4e-3).
 # CPUSERVE_PACKED_ACT_BITS overrides.
@@ -166,3 +172,22 @@ def tune_rows_int8_min_rows(model: nn.Module, passes: int = 3) -> Optional[int]:
     for lin in tuned:
         lin.rows_int8_min_rows = chosen
     return chosen
+
+
+def route_dense_bf16(model: nn.Module) -> int:
+    """Send the small batches of every dense bf16 Linear (no packed weight) to the native
+    dense_bf16_forward kernel where this CPU runs it; returns how many Linears were routed."""
+    from engine import native
+    from engine.layers.linear import Linear
+
+    mod = native.module_with("dense_bf16_forward")
+    if mod is None or not mod.dense_bf16_supported():
+        return 0
+    routed = 0
+    for lin in model.modules():
+        w = lin.weight if isinstance(lin, Linear) else None
+        if w is None or lin.packed is not None or w.dtype != torch.bfloat16 or not w.numel() or not w.is_contiguous():
+            continue
+        lin.dense_op, lin.dense_max_rows = mod.dense_bf16_forward, DENSE_BF16_MAX_ROWS
+        routed += 1
+    return routed
