@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.loader import GGUFTensor
+from engine.loader.types import GGUFTensor
 from engine.loader.gguf import dequantize_rows
 
 

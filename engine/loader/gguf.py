@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import GGUFTensor, LoadedModel, ModelLoadError, ProgressFn, SkipDense, expected_weight_names
+from engine.loader.types import GGUFTensor, LoadedModel, ModelLoadError, ProgressFn, SkipDense, expected_weight_names
 from engine.tokenizer import Tokenizer, gguf_field
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -382,7 +382,7 @@ def load_gguf(
 ) -> LoadedModel:
     """Load a GGUF file: config, dense weights in ``dtype``, raw 2-D blocks, tokenizer.
 
-    ``skip_dense`` (see :data:`engine.loader.SkipDense`) names the weights the caller serves from
+    ``skip_dense`` (see :data:`engine.loader.types.SkipDense`) names the weights the caller serves from
     their raw blocks alone: they get no dense copy (``weights`` lacks them), which for a model the
     packed kernels serve saves dequantizing the whole file (seconds, and a bf16 copy 2-4x its size).
     """

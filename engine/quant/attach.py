@@ -33,7 +33,7 @@ from engine.quant.weights import (
 if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig
     from engine.layers.linear import Linear
-    from engine.loader import GGUFTensor, LoadedModel
+    from engine.loader.types import GGUFTensor, LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def _gguf_linears(gguf_tensors: dict[str, "GGUFTensor"]) -> set[str]:
 
 def dense_free_weights(gguf_tensors: dict[str, "GGUFTensor"], tied: bool, large_act_bits: int) -> set[str]:
     """HF names of the GGUF weights the engine serves from their blocks alone, so the loader need
-    not dequantize them (``engine.loader.SkipDense``).
+    not dequantize them (``engine.loader.types.SkipDense``).
 
     A projection's weights when :func:`attach_gguf_weights` packs them and large batches use the
     packed blocks too (``large_act_bits``: then :func:`release_dense_weights` frees the dense copy);

@@ -33,7 +33,7 @@ from engine.quant.blocks import (
 from engine.quant.routing import default_act_bits
 
 if TYPE_CHECKING:
-    from engine.loader import GGUFTensor
+    from engine.loader.types import GGUFTensor
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni", 4: "amx-int8"}  # amx-int8: row-int8 only
 
