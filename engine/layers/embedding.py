@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.loader.types import GGUFTensor
-from engine.loader.gguf import dequantize_rows
+from engine.loader.dequantize import dequantize_rows
 
 
 class BlockEmbedding(nn.Module):
