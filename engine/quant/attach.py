@@ -16,15 +16,12 @@ from torch import nn
 
 from engine.quant import routing
 from engine.quant.pack_cache import PackCache
+from engine.quant.packing import pack_gguf, packable, packing_refusal, quantize_q8_0
 from engine.quant.routing import FAMILY, ROWS_INT8_MIN_ROWS, default_max_rows, large_batch_packed
 from engine.quant.weights import (
     PackedParts,
     PackedWeight,
     native_available,
-    pack_gguf,
-    packable,
-    packing_refusal,
-    quantize_q8_0,
     rows_int8_fast,
     rows_int8_from,
     rows_isas,
