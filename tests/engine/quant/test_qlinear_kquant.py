@@ -2,17 +2,17 @@
 Q4_K_M / Q5_K_M / Q6_K file holds (llama-quantize falls back to Q5_0 / Q5_1 / Q8_0 for rows whose
 length is not a multiple of 256).  The reference is gguf.quants' own dequantization: the kernels
 must compute with exactly the file's weights, the only rounding being the activations' (as for
-Q4_0 / Q8_0, tests/test_qlinear.py).
+Q4_0 / Q8_0, tests/engine/quant/test_qlinear.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_qlinear import FakeGGUFTensor, assert_first_maximum, bits, check_output, gguf_dequantize, isa  # noqa: F401
-from tiny_models import make_tiny_gguf
 
 from engine.quant import blocks as qblocks, packing as qpacking, weights as qweights
+from tests.engine.quant.test_qlinear import FakeGGUFTensor, assert_first_maximum, bits, check_output, gguf_dequantize, isa  # noqa: F401
+from tests.tiny_models import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not qweights.native_available(), reason="native extension unavailable")
 
