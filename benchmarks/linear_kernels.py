@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.quant import blocks as qblocks, weights as qweights
+from engine.quant import blocks as qblocks, packing as qpacking, weights as qweights
 
 HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
 SHAPES = [  # name, N, K, GGUF qtype
@@ -190,13 +190,13 @@ def decode_token_linears(isa: str | None) -> None:
             ["mlp.down_proj"],
         ):
             names = [f"{p}{s}.weight" for s in parts]
-            pw = qweights.pack_gguf([g[nm] for nm in names], isa)
+            pw = qpacking.pack_gguf([g[nm] for nm in names], isa)
             dw = torch.cat([w[nm] for nm in names]) if len(names) > 1 else w[names[0]]
             seq_packed.append(pw)
             seq_dense.append(dw)
             total_packed += pw.nbytes
             total_dense += dw.numel() * 2
-    head = qweights.pack_gguf([g["model.embed_tokens.weight"]], isa)
+    head = qpacking.pack_gguf([g["model.embed_tokens.weight"]], isa)
     seq_packed.append(head)
     seq_dense.append(w["model.embed_tokens.weight"])
     total_packed += head.nbytes
@@ -275,13 +275,13 @@ def _linears(lm, packed: bool, dt: torch.dtype, isa: str | None, act_bits: int =
         for key, parts in groups.items():
             names = [f"{p}{s}.weight" for s in parts]
             if packed:
-                out[p + key] = qweights.pack_gguf([g[n] for n in names], isa, act_bits)
+                out[p + key] = qpacking.pack_gguf([g[n] for n in names], isa, act_bits)
             else:
                 dw = torch.cat([w[n] for n in names]).to(dt)
                 out[p + key] = lambda x, dw=dw: F.linear(x, dw)
     head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
     if packed:
-        out["lm_head"] = qweights.pack_gguf([g[head]], isa, act_bits)
+        out["lm_head"] = qpacking.pack_gguf([g[head]], isa, act_bits)
     else:
         hw = w[head].to(dt)
         out["lm_head"] = lambda x: F.linear(x, hw)

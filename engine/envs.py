@@ -6,7 +6,7 @@ The server's flags are not listed one by one: each ``--flag`` also reads ``CPUSE
 (``flag_env_name``, ``flag_env_value``), and README.md's flag table lists them.  Two
 variables configure the native kernels; ``engine/native.py`` reads them here and hands them to
 the extension as it loads (the C++ code reads no environment variable).
-tests/test_envs.py checks that every ``CPUSERVE_*`` name in engine/ and service/ is here and in
+tests/engine/test_envs.py checks that every ``CPUSERVE_*`` name in engine/ and service/ is here and in
 README.md.
 """
 

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 from engine.async_engine import AsyncEngine, Delivery, EngineDeadError, Mailbox, QueueFullError
 from engine.engine import LLMEngine
@@ -30,13 +30,19 @@ from service.errors import APIError
 from service.metrics import Metrics
 
 if TYPE_CHECKING:
-    from service.generate import Generation
     from service.tracing import Tracer
 
 logger = logging.getLogger("service")
 
 RETRY_AFTER_S = 1  # 429: the queue usually moves within a second or so
 ENGINE_DEAD_EXIT_DELAY_S = 1.0
+
+
+class InFlight(Protocol):
+    """A request being served, as the drain sees it (service.generate.Generation registers itself)."""
+
+    def cancel(self, error: APIError) -> None:
+        """End it early: its consumer gets ``error`` and its sequences are aborted."""
 
 
 class ServerState:
@@ -54,7 +60,7 @@ class ServerState:
         # Called (on the event loop) a moment after the engine loop died; __main__ stops the server.
         self.on_engine_dead: Callable[[], None] = lambda: None
         self.created = int(time.time())
-        self.generations: "weakref.WeakSet[Generation]" = weakref.WeakSet()  # in flight, for the drain
+        self.generations: "weakref.WeakSet[InFlight]" = weakref.WeakSet()  # in flight, for the drain
         # service.tracing.Tracer when --otlp-traces-endpoint is set: also told of every finished request.
         self.tracer: Optional["Tracer"] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None

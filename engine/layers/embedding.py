@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.loader import GGUFTensor
-from engine.loader.gguf import dequantize_rows
+from engine.loader.types import GGUFTensor
+from engine.loader.dequantize import dequantize_rows
 
 
 class BlockEmbedding(nn.Module):

@@ -1,12 +1,10 @@
 """GGUF reader: metadata -> ModelConfig, tensors -> dense HF-named weights plus raw quantized blocks.
 
 The file is memory-mapped (``gguf.GGUFReader``, copy-on-write so torch can wrap the bytes without a
-copy or a read-only warning). Dequantization is float32 then a cast to the requested dtype: the
-common types (F32/F16/BF16/Q8_0/Q4_0/Q4_1) with a few torch ops that repeat ``gguf.quants``'s float32
-arithmetic exactly, the rest (K-quants, Q5_*) with ``gguf.quants.dequantize`` itself. Tensors are
-processed on a small thread pool (torch and numpy release the GIL). Parsing the metadata (a
-49k-token vocabulary and as many merges for the default model) takes ~0.2-0.3 s with the reader
-subclass below; gguf's own reader took ~3 s.
+copy or a read-only warning). Dense weights are float32 dequantization (engine/loader/dequantize.py)
+then a cast to the requested dtype, on a small thread pool (torch and numpy release the GIL).
+Parsing the metadata (a 49k-token vocabulary and as many merges for the default model) takes
+~0.2-0.3 s with the reader subclass below; gguf's own reader took ~3 s.
 
 llama.cpp's converter permutes the rows of llama's Q and K projections into the interleaved-pair
 RoPE layout ggml uses; we undo that exactly as transformers' GGUF loader does, for the dense weight
@@ -27,7 +25,8 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import GGUFTensor, LoadedModel, ModelLoadError, ProgressFn, SkipDense, expected_weight_names
+from engine.loader.dequantize import dequantize_rows
+from engine.loader.types import GGUFTensor, LoadedModel, ModelLoadError, ProgressFn, SkipDense, expected_weight_names
 from engine.tokenizer import Tokenizer, gguf_field
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -281,55 +280,6 @@ def _plan(reader: Any, cfg: ModelConfig) -> list[tuple[str, Any]]:
     return plan
 
 
-def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 16] packed bytes -> [n, 32] values: low nibbles are elements 0..15, high ones 16..31."""
-    return torch.cat((qs & 0x0F, qs >> 4), dim=1)
-
-
-def _dequant_torch(raw: torch.Tensor, qtype: str) -> Optional[torch.Tensor]:
-    """float32 dequantization of the common block types with torch: faster than the numpy reference,
-    and bit-identical to it (the same float32 operations in the same order; tests check equality).
-    Returns None for types left to ``gguf.quants.dequantize``."""
-    rows = raw.shape[0]
-    if qtype == "F32":
-        return raw.view(torch.float32)
-    if qtype == "F16":
-        return raw.view(torch.float16).float()
-    if qtype == "BF16":
-        return raw.view(torch.bfloat16).float()
-    if qtype == "Q8_0":
-        b = raw.reshape(-1, 34)
-        d = b[:, :2].contiguous().view(torch.float16).float()
-        return (b[:, 2:].contiguous().view(torch.int8).float() * d).reshape(rows, -1)
-    if qtype == "Q4_0":
-        b = raw.reshape(-1, 18)
-        d = b[:, :2].contiguous().view(torch.float16).float()
-        q = _unpack_nibbles(b[:, 2:]).to(torch.int8) - 8
-        return (d * q.float()).reshape(rows, -1)
-    if qtype == "Q4_1":
-        b = raw.reshape(-1, 20)
-        d = b[:, :2].contiguous().view(torch.float16).float()
-        m = b[:, 2:4].contiguous().view(torch.float16).float()
-        return ((d * _unpack_nibbles(b[:, 4:]).float()) + m).reshape(rows, -1)
-    return None
-
-
-def dequantize_rows(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
-    """float32 [rows, cols] from raw GGUF rows uint8 [rows, bytes_per_row] of any supported type.
-
-    Bit-identical to ``gguf.quants.dequantize`` (the common types with torch ops, the rest with
-    gguf's numpy code).  The loader dequantizes whole tensors with it; a quantized token embedding
-    (engine.layers.embedding) dequantizes only the rows a step gathers.
-    """
-    dense = _dequant_torch(raw, qtype)
-    if dense is None:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        dense = torch.from_numpy(np.ascontiguousarray(dequantize(raw.numpy(), GGMLQuantizationType[qtype])))
-    return dense.reshape(raw.shape[0], cols)
-
-
 def raw_rows(t: Any) -> torch.Tensor:
     """A reader tensor's bytes as uint8 [rows, bytes_per_row] (rows: every dim but the innermost),
     a view of the memory map."""
@@ -382,7 +332,7 @@ def load_gguf(
 ) -> LoadedModel:
     """Load a GGUF file: config, dense weights in ``dtype``, raw 2-D blocks, tokenizer.
 
-    ``skip_dense`` (see :data:`engine.loader.SkipDense`) names the weights the caller serves from
+    ``skip_dense`` (see :data:`engine.loader.types.SkipDense`) names the weights the caller serves from
     their raw blocks alone: they get no dense copy (``weights`` lacks them), which for a model the
     packed kernels serve saves dequantizing the whole file (seconds, and a bf16 copy 2-4x its size).
     """

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import LoadedModel, ModelLoadError, ProgressFn, expected_weight_names
+from engine.loader.types import LoadedModel, ModelLoadError, ProgressFn, expected_weight_names
 from engine.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}

@@ -16,15 +16,12 @@ from torch import nn
 
 from engine.quant import routing
 from engine.quant.pack_cache import PackCache
+from engine.quant.packing import pack_gguf, packable, packing_refusal, quantize_q8_0
 from engine.quant.routing import FAMILY, ROWS_INT8_MIN_ROWS, default_max_rows, large_batch_packed
 from engine.quant.weights import (
     PackedParts,
     PackedWeight,
     native_available,
-    pack_gguf,
-    packable,
-    packing_refusal,
-    quantize_q8_0,
     rows_int8_fast,
     rows_int8_from,
     rows_isas,
@@ -33,7 +30,7 @@ from engine.quant.weights import (
 if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig
     from engine.layers.linear import Linear
-    from engine.loader import GGUFTensor, LoadedModel
+    from engine.loader.types import GGUFTensor, LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +140,7 @@ def _gguf_linears(gguf_tensors: dict[str, "GGUFTensor"]) -> set[str]:
 
 def dense_free_weights(gguf_tensors: dict[str, "GGUFTensor"], tied: bool, large_act_bits: int) -> set[str]:
     """HF names of the GGUF weights the engine serves from their blocks alone, so the loader need
-    not dequantize them (``engine.loader.SkipDense``).
+    not dequantize them (``engine.loader.types.SkipDense``).
 
     A projection's weights when :func:`attach_gguf_weights` packs them and large batches use the
     packed blocks too (``large_act_bits``: then :func:`release_dense_weights` frees the dense copy);

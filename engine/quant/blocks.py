@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.loader.gguf import dequantize_rows
+from engine.loader.dequantize import dequantize_rows
 
 GROUP_ROWS = 16
 BLOCK = 32
@@ -314,7 +314,7 @@ def unpack_blocks(data: torch.Tensor, qtype: str, shape: tuple[int, int]) -> tor
 
 def dequantize_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
     """GGUF blocks uint8 [N, bytes_per_row] -> float32 [N, K], bit-identical to gguf.quants (the
-    loader's dequantization, :func:`engine.loader.gguf.dequantize_rows`)."""
+    loader's dequantization, :func:`engine.loader.dequantize.dequantize_rows`)."""
     return dequantize_rows(raw.contiguous(), qtype, shape[1])
 
 

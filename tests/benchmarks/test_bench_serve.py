@@ -17,7 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository root, for ``benchmarks`` when this file runs as the fake server's script (below)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from benchmarks import bench_serve as bs  # noqa: E402
@@ -347,7 +348,7 @@ def test_compare_repeats_interleaved_with_fake_server(tiny_tok, tmp_path):
 
 
 if __name__ == "__main__":
-    # `python tests/test_bench_serve.py --fake-server --port P`: the fake server as a process (for compare.py)
+    # `python tests/benchmarks/test_bench_serve.py --fake-server --port P`: the fake server as a process (for compare.py)
     import argparse
 
     ap = argparse.ArgumentParser()

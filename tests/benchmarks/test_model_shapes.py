@@ -18,12 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from benchmarks import model_shapes as shapes  # noqa: E402
-from benchmarks import quality_types as qt  # noqa: E402
+from benchmarks import model_shapes as shapes
+from benchmarks import quality_types as qt
+from tests import ROOT
 
 
 def _model_dir(tmp_path, types=("q4_k_m", "q8_0"), hf=True):  # noqa: ANN001
@@ -180,11 +177,11 @@ def test_compare_hf_type_serves_ours_from_the_hf_directory(tmp_path):
 
 def test_compare_model_mode_end_to_end_with_fake_server(tmp_path):
     """--model: the fake server as ours, started under the directory's name, and the floor under the table."""
-    from test_bench_serve import _cmdline
     from tokenizers import ByteLevelBPETokenizer
 
     from benchmarks import compare
     from benchmarks.harness import process_tree
+    from tests.benchmarks.test_bench_serve import _cmdline
 
     d = _model_dir(tmp_path, types=())
     test_read_tensor_infos_from_a_real_gguf(tmp_path)  # writes tmp_path/t.gguf
@@ -192,7 +189,7 @@ def test_compare_model_mode_end_to_end_with_fake_server(tmp_path):
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=300, min_frequency=1)
     tok.save(str(d / "hf" / "tokenizer.json"))  # the prompts' tokenizer: the HF directory's
-    fake = os.path.join(ROOT, "tests", "test_bench_serve.py")
+    fake = ROOT / "tests" / "benchmarks" / "test_bench_serve.py"
     out = tmp_path / "cmp.json"
     old = signal.getsignal(signal.SIGTERM)
     try:

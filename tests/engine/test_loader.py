@@ -17,7 +17,7 @@ from gguf.quants import dequantize
 from engine.loader import LoadedModel, ModelLoadError, load_model, resolve_model_path
 from engine.loader.gguf import gguf_to_hf_name
 from engine.loader.hf import config_from_hf
-from tiny_models import (
+from tests.tiny_models import (
     TINY_GGUF,
     make_tiny_gguf,
     make_tiny_hf_model,

@@ -22,6 +22,7 @@ from engine.attention.backends.cpu import CPUAttentionBackendImpl, _get_attn_isa
 from engine.attention.kernels import ref
 from engine.attention.metadata import metadata_from_lens
 from engine.kv_cache.layout import allocate_kv_cache, int8_row_scales
+from tests import ROOT
 
 NATIVE = dispatch.available_isas()
 COMPILED = set(dispatch._ext().attention_isas()) if NATIVE else set()
@@ -521,8 +522,7 @@ def test_bf16_dot_override(mode):
     _need("vec512")
     code = "from engine.attention import dispatch; print(dispatch._ext().attention_bf16_dot())"
     env = {**os.environ, "CPUSERVE_ATTN_BF16_DOT": mode}
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split()[-1] == mode
     assert dispatch._ext().attention_bf16_dot() in ("dpbf16", "fma")
     with pytest.raises(RuntimeError, match="must be auto, dpbf16 or fma"):

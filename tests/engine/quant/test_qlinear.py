@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.quant import attach, blocks as qblocks, routing, weights as qweights
+from engine.quant import attach, blocks as qblocks, packing as qpacking, routing, weights as qweights
 from engine.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(not qweights.native_available(), reason="native extension unavailable")
@@ -161,7 +161,7 @@ def test_merged_rows_pack_like_one_tensor(isa, bits):
     """qkv_proj = q, k, v stacked along rows: packing the list equals packing their concatenation."""
     k = 576
     parts = [FakeGGUFTensor("Q4_1", random_blocks("Q4_1", n, k, seed=n), (n, k)) for n in (576, 192, 192)]
-    pw = qweights.pack_gguf(parts, isa, bits)
+    pw = qpacking.pack_gguf(parts, isa, bits)
     assert pw is not None and pw.shape == (960, k)
     w = torch.cat([gguf_dequantize(p.data, "Q4_1", p.shape) for p in parts])
     x = torch.randn(3, k)
@@ -174,13 +174,13 @@ def test_pack_gguf_refuses_what_has_no_kernel():
     q41 = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 16, k), (16, k))
     q80 = FakeGGUFTensor("Q8_0", random_blocks("Q8_0", 16, k), (16, k))
     q3k = FakeGGUFTensor("Q3_K", torch.zeros(16, 110, dtype=torch.uint8), (16, 256))
-    assert isinstance(qweights.pack_gguf([q41, q80]), qweights.PackedParts)  # mixed qtypes: one part each
+    assert isinstance(qpacking.pack_gguf([q41, q80]), qweights.PackedParts)  # mixed qtypes: one part each
     odd = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 15, k), (15, k))
-    assert qweights.pack_gguf([odd, q80]) is None  # ... in whole 16-row groups only
-    assert qweights.pack_gguf([q3k]) is None
-    assert qweights.pack_gguf([]) is None
+    assert qpacking.pack_gguf([odd, q80]) is None  # ... in whole 16-row groups only
+    assert qpacking.pack_gguf([q3k]) is None
+    assert qpacking.pack_gguf([]) is None
     wide = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 16, 2 * k), (16, 2 * k))
-    assert qweights.pack_gguf([q41, wide]) is None
+    assert qpacking.pack_gguf([q41, wide]) is None
 
 
 def test_strided_and_3d_inputs():
@@ -232,7 +232,7 @@ def test_quantize_q8_0_matches_gguf():
     ours = qblocks.quantize_q8_0_blocks(w)
     theirs = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q8_0).reshape(33, -1).copy())
     assert torch.equal(ours, theirs)
-    pw = qweights.quantize_q8_0(w.to(torch.bfloat16))
+    pw = qpacking.quantize_q8_0(w.to(torch.bfloat16))
     assert pw.qtype == "Q8_0" and pw.shape == (33, 96)
     x = torch.randn(2, 96)
     check_output(pw(x), x, pw.dequantize())
@@ -345,7 +345,7 @@ def test_real_smollm2_tensors(smollm2_reader, isa, bits, m):
     cases.append([_real(smollm2_reader, "token_embd.weight", rows=2000)])  # the tied LM head, Q8_0
     gen = torch.Generator().manual_seed(m)
     for parts in cases:
-        pw = qweights.pack_gguf(parts, isa, bits)
+        pw = qpacking.pack_gguf(parts, isa, bits)
         assert pw is not None, parts[0].qtype
         w = torch.cat([gguf_dequantize(p.data, p.qtype, p.shape) for p in parts])
         for dtype in (torch.float32, torch.bfloat16):
@@ -356,7 +356,7 @@ def test_real_smollm2_tensors(smollm2_reader, isa, bits, m):
 def test_real_lm_head_full(smollm2_reader):
     lm = _real(smollm2_reader, "token_embd.weight")
     assert lm.qtype == "Q8_0" and lm.shape == (49152, 576)
-    pw = qweights.pack_gguf([lm])
+    pw = qpacking.pack_gguf([lm])
     assert pw.nbytes == lm.data.numel()  # repacking neither adds nor drops bytes
     w = gguf_dequantize(lm.data, "Q8_0", lm.shape)
     x = torch.randn(2, 576)
@@ -571,7 +571,7 @@ def test_block_kernel_refuses_the_amx_path():
     """amx-int8 is a row-int8 path: the block kernels say so instead of running something else."""
     if "amx-int8" not in qweights.rows_isas():
         pytest.skip("amx-int8 not supported on this CPU")
-    pw = qweights.quantize_q8_0(torch.randn(32, 64), "amx-int8")
+    pw = qpacking.quantize_q8_0(torch.randn(32, 64), "amx-int8")
     with pytest.raises(RuntimeError, match="row-int8 weights only"):
         pw(torch.randn(2, 64))
 

@@ -7,7 +7,7 @@ import pytest
 
 from engine.loader.gguf import open_reader
 from engine.tokenizer import GGUF_PRE_TOKENIZER_SPLITS, IncrementalDetokenizer, Tokenizer
-from tiny_models import make_tiny_gguf, make_tiny_spm_gguf, smollm2_gguf_path
+from tests.tiny_models import make_tiny_gguf, make_tiny_spm_gguf, smollm2_gguf_path
 
 CORPUS = [
     "Hello, world!",

@@ -16,7 +16,7 @@ from engine.layers.linear import Linear
 from engine.quant import pack_cache
 from engine.quant.weights import PackedParts, native_available
 from engine.request import SamplingParams
-from tiny_models import make_tiny_gguf
+from tests.tiny_models import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no native extension")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

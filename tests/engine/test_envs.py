@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 import pytest
 
 from engine import envs
 from service.__main__ import build_parser
+from tests import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 

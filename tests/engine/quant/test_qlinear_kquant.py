@@ -2,17 +2,17 @@
 Q4_K_M / Q5_K_M / Q6_K file holds (llama-quantize falls back to Q5_0 / Q5_1 / Q8_0 for rows whose
 length is not a multiple of 256).  The reference is gguf.quants' own dequantization: the kernels
 must compute with exactly the file's weights, the only rounding being the activations' (as for
-Q4_0 / Q8_0, tests/test_qlinear.py).
+Q4_0 / Q8_0, tests/engine/quant/test_qlinear.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_qlinear import FakeGGUFTensor, assert_first_maximum, bits, check_output, gguf_dequantize, isa  # noqa: F401
-from tiny_models import make_tiny_gguf
 
-from engine.quant import blocks as qblocks, weights as qweights
+from engine.quant import blocks as qblocks, packing as qpacking, weights as qweights
+from tests.engine.quant.test_qlinear import FakeGGUFTensor, assert_first_maximum, bits, check_output, gguf_dequantize, isa  # noqa: F401
+from tests.tiny_models import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not qweights.native_available(), reason="native extension unavailable")
 
@@ -122,13 +122,13 @@ def test_rows_int8_copy_is_quantize_rows_int8_of_the_dequantized_blocks(qtype):
 
 def test_pack_gguf_needs_whole_k_super_blocks_and_says_why_not():
     t = FakeGGUFTensor("Q4_K", random_blocks("Q4_K", 32, 256), (32, 256))
-    assert isinstance(qweights.pack_gguf([t]), qweights.PackedWeight)
+    assert isinstance(qpacking.pack_gguf([t]), qweights.PackedWeight)
     q5 = FakeGGUFTensor("Q5_0", random_blocks("Q5_0", 32, 576), (32, 576))  # a 576-wide fallback tensor
-    assert qweights.pack_gguf([q5]).qtype == "Q5_0"
+    assert qpacking.pack_gguf([q5]).qtype == "Q5_0"
     odd = FakeGGUFTensor("Q6_K", torch.zeros(16, 3 * 210, dtype=torch.uint8), (16, 640))
-    assert qweights.pack_gguf([odd]) is None and "divisible by 256" in qweights.packing_refusal([odd])
+    assert qpacking.pack_gguf([odd]) is None and "divisible by 256" in qpacking.packing_refusal([odd])
     q3 = FakeGGUFTensor("Q3_K", torch.zeros(16, 110, dtype=torch.uint8), (16, 256))
-    assert qweights.pack_gguf([q3]) is None and qweights.packing_refusal([q3]) == "Q3_K has no packed kernel"
+    assert qpacking.pack_gguf([q3]) is None and qpacking.packing_refusal([q3]) == "Q3_K has no packed kernel"
 
 
 @pytest.mark.parametrize("m", [1, 40])
@@ -138,7 +138,7 @@ def test_mixed_qtype_merges_stack_their_parts(m):
     k = 256
     parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)]
     ts = [FakeGGUFTensor(q, random_blocks(q, rows, k, seed=i), (rows, k)) for i, (q, rows) in enumerate(parts)]
-    pw = qweights.pack_gguf(ts)
+    pw = qpacking.pack_gguf(ts)
     assert isinstance(pw, qweights.PackedParts) and [p.qtype for p in pw.parts] == ["Q4_K", "Q6_K"]
     assert pw.shape == (128, k) and pw.qtype == "Q4_K"
     w = torch.cat([gguf_dequantize(t.data, t.qtype, t.shape) for t in ts])

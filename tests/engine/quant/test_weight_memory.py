@@ -20,7 +20,7 @@ from engine.layers.embedding import BlockEmbedding
 from engine.layers.linear import Linear
 from engine.loader import load_model
 from engine.request import SamplingParams
-from tiny_models import make_tiny_gguf
+from tests.tiny_models import make_tiny_gguf
 
 needs_native = pytest.mark.skipif(not qweights.native_available(), reason="no native extension")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from engine import native, platform
+from tests import ROOT
 
 EXT = native.module_with("cpu_supports")
 needs_ext = pytest.mark.skipif(EXT is None, reason="native extension unavailable")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @needs_ext
@@ -85,7 +85,7 @@ def test_amx_min_rows_is_set_from_the_environment_at_load(value, expected):
     environment); a value that is not an integer is ignored with a warning."""
     code = "from engine import native; print(native.load().attention_amx_min_rows())"
     env = {**os.environ, "CPUSERVE_ATTN_AMX_MIN_ROWS": value}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     assert int(out.stdout.split()[-1]) == expected
     if value == "many":
         assert "ignoring CPUSERVE_ATTN_AMX_MIN_ROWS" in out.stderr
