@@ -4,7 +4,7 @@
 // each row to int8 against its largest magnitude); on the default model that took ~0.85 s of every
 // start-up in full-size float32 temporaries.  This does the same arithmetic one row at a time, rows
 // of a group in cache, groups split across threads, and must stay bit-identical to the torch
-// definition (tests/test_qlinear.py compares them): the same float32 operations in the same order,
+// definition (tests/engine/quant/test_qlinear.py compares them): the same float32 operations in the same order,
 // separate multiplies and adds (no FMA: neither the baseline x86-64 target nor the AVX2 clone below
 // enables one to contract them into), round half to even for torch.round.
 #include "ops.h"

@@ -18,7 +18,7 @@
 // for the next bigger team, so regions of varying sizes made a thread or more per region: on a
 // 16-core Xeon, batch-1 decode took 145 ms a step on 8 threads and 7.6 on 2 (each step's small
 // matmuls wanted fewer threads than its attention).  torch's at::parallel_for does the same for
-// the same reason (pytorch#32008).  tests/test_openmp_team.py checks that the threads stay.
+// the same reason (pytorch#32008).  tests/engine/test_openmp_team.py checks that the threads stay.
 #pragma once
 
 #include <algorithm>

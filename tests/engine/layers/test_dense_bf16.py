@@ -54,7 +54,7 @@ def test_a_bf16_model_routes_small_batches_to_the_kernel_and_generates_as_f_line
     """A bf16 model from a Hugging Face directory (Llama: its own LM head; Qwen2: q/k/v biases and
     the LM head tied to the embedding): every projection and the LM head take the
     kernel for batches of up to DENSE_BF16_MAX_ROWS rows, and greedy decoding gives F.linear's tokens."""
-    from tiny_models import make_tiny_hf_model
+    from tests.tiny_models import make_tiny_hf_model
 
     from engine.config import CacheConfig, EngineConfig
     from engine.engine import LLMEngine
