@@ -19,6 +19,7 @@ from engine.engine import LLMEngine
 from engine.loader import load_model
 from engine.request import SamplingParams
 from engine.validation import RequestError
+from tests.engine.native_layers import native_and_modular
 
 PROMPTS = [
     "The capital of France is",
@@ -284,28 +285,8 @@ def test_native_packed_layers_match_the_modular_path(loaded, dtype):
     assert all(layer.packed is not None for layer in layers)
     prompts = PROMPTS[:4] + [" ".join(["word"] * 100)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
-
-    def generate() -> dict:
-        out = {}
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        while engine.has_unfinished():
-            for d in engine.step()[0]:
-                out.setdefault(d.request_id, []).extend((lp.token_id, lp.logprob, tuple(lp.top)) for lp in d.new_logprobs)
-        return out
-
-    model = engine.runner.model
-    assert model.packed_body is not None  # the model's loop over the bound native calls
-    native = generate()
-    saved = [(layer.packed, layer.packed_max_rows) for layer in layers]
-    body = model.packed_body
-    model.packed_body = None
-    for layer in layers:
-        layer.packed = None
-    modular = generate()
-    for layer, (packed, rows) in zip(layers, saved):
-        layer.packed, layer.packed_max_rows = packed, rows
-    model.packed_body = body
+    assert engine.runner.model.packed_body is not None  # the model's loop over the bound native calls
+    native, modular = native_and_modular(engine, prompts, params)
     assert native == modular
     assert all(len(v) == 8 for v in native.values()) and len(native) == len(prompts)
 

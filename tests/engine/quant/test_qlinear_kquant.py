@@ -214,6 +214,7 @@ def test_mixed_qtype_layers_run_the_native_decoder_layer_bit_for_bit(tmp_path, a
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import LLMEngine
     from engine.request import SamplingParams
+    from tests.engine.native_layers import native_and_modular
 
     path = str(make_tiny_gguf(tmp_path, arch, "Q4_K_M"))
     cfg = EngineConfig(model=path, dtype="bfloat16", cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
@@ -225,22 +226,5 @@ def test_mixed_qtype_layers_run_the_native_decoder_layer_bit_for_bit(tmp_path, a
     prompts = ["the hat", "a tent in the", " ".join(["word"] * 40)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
 
-    def generate() -> dict:
-        out: dict = {}
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        while engine.has_unfinished():
-            for d in engine.step()[0]:
-                out.setdefault(d.request_id, []).extend((lp.token_id, lp.logprob, tuple(lp.top)) for lp in d.new_logprobs)
-        return out
-
-    native = generate()
-    saved = [layer.packed for layer in model.layers]
-    body, model.packed_body = model.packed_body, None
-    for layer in model.layers:
-        layer.packed = None
-    modular = generate()
-    for layer, packed in zip(model.layers, saved):
-        layer.packed = packed
-    model.packed_body = body
+    native, modular = native_and_modular(engine, prompts, params)
     assert native == modular and all(len(v) == 8 for v in native.values())
