@@ -188,6 +188,8 @@ def route_dense_bf16(model: nn.Module) -> int:
         w = lin.weight if isinstance(lin, Linear) else None
         if w is None or lin.packed is not None or w.dtype != torch.bfloat16 or not w.numel() or not w.is_contiguous():
             continue
+        if lin.bias is not None and (lin.bias.dtype != torch.bfloat16 or not lin.bias.is_contiguous()):
+            continue  # the kernel takes a contiguous bf16 bias only
         lin.dense_op, lin.dense_max_rows = mod.dense_bf16_forward, DENSE_BF16_MAX_ROWS
         routed += 1
     return routed
