@@ -22,8 +22,6 @@ namespace {
 constexpr int kUnitRows = 16;  // output columns (weight rows) per unit of work
 constexpr int kTileN = 4;      // weight rows a tile holds in registers
 constexpr int kTileM = 4;      // activation rows a tile holds in registers
-// Weight bytes per thread below which another thread costs more to wake than it saves (qlinear.cpp's).
-constexpr int64_t kParallelMinBytes = 96 * 1024;
 
 struct Problem {
   const uint16_t* x;
@@ -112,8 +110,7 @@ torch::Tensor dense_bf16_forward(const torch::Tensor& x_in, const torch::Tensor&
                   bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr, y.data_ptr(), m, n,
                   k, x.stride(0), n, out_float32};
   const int64_t units = (n + kUnitRows - 1) / kUnitRows;
-  const int threads = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>({static_cast<int64_t>(omp_get_max_threads()), units, n * k * 2 / kParallelMinBytes})));
+  const int threads = cpuserve_par::product_threads(units, n * k * 2);
   if (threads == 1 || omp_in_parallel()) {
     for (int64_t u = 0; u < units; ++u) unit(p, u);
     return y;

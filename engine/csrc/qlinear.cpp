@@ -880,9 +880,6 @@ int best_isa() {
   return best;
 }
 
-// Weight bytes (times activation rows) per thread below which more threads cost more to wake than
-// they save: small products run on fewer threads, the smallest on the caller's alone.
-constexpr int64_t kParallelMinBytes = 96 * 1024;
 // Activation elements from which the threads of the product's region quantize their share of the
 // rows (then meet at a barrier) instead of the calling thread quantizing them all first.
 constexpr int64_t kParallelQuantElems = 16 * 1024;
@@ -1029,11 +1026,7 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
     }
   };
 
-  const int64_t work = weight_bytes * m;
-  // One thread per kParallelMinBytes of work at most: on many-core hosts a small matrix is not
-  // worth waking every thread of the pool.
-  const int threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>({static_cast<int64_t>(omp_get_max_threads()), groups, work / kParallelMinBytes})));
+  const int threads = cpuserve_par::product_threads(groups, weight_bytes * m);
   const bool parallel = threads > 1 && !omp_in_parallel();
   // Small activations are quantized up front by the calling thread (a few microseconds at most), so
   // the region has no barrier inside.  From 16K elements the region's threads split the rows, so

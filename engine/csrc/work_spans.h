@@ -26,7 +26,21 @@
 #include <cstdint>
 #include <memory>
 
+#include <omp.h>
+
 namespace cpuserve_par {
+
+// Weight bytes (times activation rows) per thread below which more threads cost more to wake than
+// they save: small products run on fewer threads, the smallest on the caller's alone.
+constexpr int64_t kParallelMinBytes = 96 * 1024;
+
+// Threads for a product of `units` stealable units and `work` bytes of weights (times activation
+// rows): one per kParallelMinBytes at most, since on many-core hosts a small matrix is not worth
+// waking every thread of the pool; at least one, at most the team.
+inline int product_threads(int64_t units, int64_t work) {
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>({static_cast<int64_t>(omp_get_max_threads()), units, work / kParallelMinBytes})));
+}
 
 class WorkSpans {
  public:
