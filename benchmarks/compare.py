@@ -126,6 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
     shape_mode = a.model is not None or a.hf_dir is not None
+    ours_model = None  # what ours serves when it is not the GGUF llama-server runs
     if a.model is not None or (a.gguf is not None and a.hf_dir is not None):
         ours_hf = a.gguf_type.lower() == "hf"
         if ours_hf and "llama" in a.peers:
@@ -138,12 +139,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--gguf-type hf: the model directory has no hf/ directory")
         a.gguf, a.hf_dir, a.gguf_type, a.served_name = files.gguf, files.hf_dir, files.gguf_type, files.name
         if ours_hf:
-            a.ours_model, a.gguf_type = files.hf_dir, "bf16"
+            ours_model, a.gguf_type = files.hf_dir, "bf16"
     else:
         a.gguf = a.gguf or default_gguf_path()
         a.gguf_type = os.path.splitext(os.path.basename(a.gguf))[0]
         a.served_name = SERVED_NAME
-    a.ours_model = getattr(a, "ours_model", a.gguf)
+    a.ours_model = ours_model or a.gguf
     if a.workloads is None:
         a.workloads = SHAPE_WORKLOADS if shape_mode else "c1,c16,c32,long"
     if a.floor is None:
