@@ -23,9 +23,9 @@ from engine.forward_context import ForwardContext, set_forward_context
 from engine.kv_cache.layout import allocate_kv_cache, kv_cache_torch_dtype
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Logprob, Request
-from engine.sampler import fused_rows, sample, top_logprobs
+from engine.sampler import fused_argmax, sample, top_logprobs
 from engine.scheduler import SchedulerOutput
-from engine.structured.masks import MaskBatch, commit_tokens, start_masks
+from engine.structured.masks import MaskBatch, MaskPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.kv_caches: list[torch.Tensor] = []
+        self.masks = MaskPlanner(model_config.vocab_size)
 
     def load_weights(self, weights: dict[str, torch.Tensor], absent: Collection[str] = ()) -> None:
         """The model's weights (LlamaForCausalLM.load_weights; ``absent``: those served from GGUF blocks)."""
@@ -120,29 +121,21 @@ class ModelRunner:
         ctx = ForwardContext(meta)
         # When every row needs logits (decode-only steps) the last layer is not pruned and nothing gathered.
         out_rows = None if len(logit_rows) == input_ids.shape[0] else torch.tensor(logit_rows, dtype=torch.long)
-        # Plain greedy rows, when every row that needs logits samples: the LM head may hand back their
-        # tokens instead (Linear.argmax), without writing the logits (32 rows: 6.3 MB of float32);
-        # constrained rows beside them take logits of their own (sampler.fused_rows).
+        # Only plain greedy rows, every row that needs logits sampling: the LM head may hand back their
+        # tokens instead (Linear.argmax), without writing the logits (32 rows: 6.3 MB of float32).
         greedy = [s.request for s in out.scheduled if s.samples]
-        fast = fused_rows(greedy) if len(greedy) == len(logit_rows) else []
-        # Constrained rows' masks are computed on a worker thread while the forward runs.
-        masks = start_masks(greedy, self.model_config.vocab_size)
+        fused = len(greedy) == len(logit_rows) and fused_argmax(greedy)
+        # Constrained rows' masks: started when the last step committed its tokens, else now (a worker thread).
+        masks = self.masks.for_step(greedy)
         with set_forward_context(ctx):
             hidden = self.model(input_ids, positions, out_rows)
-            tokens = None
-            if fast:
-                tokens = self.model.greedy_tokens(hidden if len(fast) == len(greedy) else hidden[fast])
-            rest = sorted(set(range(len(greedy))) - set(fast)) if tokens is not None else None
-            logits = None
-            if logit_rows and rest != []:
-                logits = self.model.compute_logits(hidden if rest is None else hidden[rest])
+            tokens = self.model.greedy_tokens(hidden) if fused else None
+            logits = self.model.compute_logits(hidden) if logit_rows and tokens is None else None
         t2 = time.perf_counter()
         if tokens is None:
             result = self._sample(out, logits, logit_rows, meta, masks)
         else:
-            result = RunnerOutput(sampled=dict(zip((greedy[i].request_id for i in fast), tokens.tolist())))
-            if rest:
-                self._sample_rows(result, logits, [greedy[i] for i in rest], masks)
+            result = RunnerOutput(sampled=dict(zip((r.request_id for r in greedy), tokens.tolist())))
         t3 = time.perf_counter()
         result.timings = StepTimings(
             t1 - t0, t2 - t1, ctx.kv_update_s, ctx.attention_s, t3 - t2, masks.seconds if masks is not None else 0.0
@@ -176,11 +169,10 @@ class ModelRunner:
             self._sample_rows(result, logits[sample_rows] if len(sample_rows) != logits.shape[0] else logits, sample_reqs, masks)
         return result
 
-    @staticmethod
-    def _sample_rows(result: RunnerOutput, logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBatch]) -> None:
+    def _sample_rows(self, result: RunnerOutput, logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBatch]) -> None:
         """Sample ``requests`` from ``logits`` (row i request i's) into ``result``."""
         sampled = sample(logits, requests, masks)
-        commit_tokens(requests, sampled.token_ids)
+        self.masks.commit(requests, sampled.token_ids)
         for req, token, lp in zip(requests, sampled.token_ids, sampled.logprobs):
             result.sampled[req.request_id] = token
             if lp is not None:

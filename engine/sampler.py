@@ -299,15 +299,12 @@ def plain_greedy(req: Request) -> bool:
     )
 
 
-def fused_rows(requests: list[Request]) -> list[int]:
-    """The rows of ``requests`` (a step's sampling rows, every one of its logits rows) whose token
-    the LM head's fused argmax may give, when the rest are constrained rows that take logits and the
-    sampler on their own; [] when any other row needs logits (the whole step then samples).  So a
-    constrained request costs its neighbours nothing: plain greedy rows keep the fused argmax."""
-    fast = [i for i, r in enumerate(requests) if plain_greedy(r)]
-    if len(fast) + sum(r.matcher is not None for r in requests) != len(requests):
-        return []
-    return fast
+def fused_argmax(requests: list[Request]) -> bool:
+    """Whether the LM head's fused argmax may give every token of a step whose sampling rows are
+    ``requests`` (every one of its logits rows): all of them plain greedy.  Otherwise the step takes
+    logits for all rows in one LM-head pass and samples them here; a second pass just for the other
+    rows would read the whole head again (a constrained request among plain greedy ones)."""
+    return bool(requests) and all(plain_greedy(r) for r in requests)
 
 
 def sample(logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBatch] = None) -> SamplerOutput:

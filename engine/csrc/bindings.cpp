@@ -85,6 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"));
   m.def("logprobs_rows", &logprobs_rows, "log-probabilities of the chosen tokens and the k best per row", nogil,
         py::arg("logits"), py::arg("chosen"), py::arg("k"));
+  m.def("mask_logits_", &mask_logits_, "in place: -inf where a row's grammar bitmask disallows the token", nogil,
+        py::arg("logits"), py::arg("bits"), py::arg("rows"), py::arg("vocab_size"), py::arg("isa") = -1);
   m.def("argmax_best_isa", &argmax_best_isa, "the argmax path used by default (an Isa value)");
   m.def("argmax_isas", &argmax_isas, "argmax instruction-set paths usable on this CPU");
   // ---- end sampling.cpp ----

@@ -129,6 +129,13 @@ std::tuple<torch::Tensor, torch::Tensor> sample_rows(const torch::Tensor& logits
 // int64 [R, k] most likely first, equal logits by index, float32 [R, k]); no [R, V] temporaries.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_rows(const torch::Tensor& logits,
                                                                       const torch::Tensor& chosen, int64_t k);
+// Grammar masks (engine/structured/masks.py), in place: logits float32 [R, V] (rows contiguous);
+// bits int32 [M, W], bit t % 32 of word t // 32 set where token t is allowed; rows int64 [M], the
+// logits row of mask m.  Sets row rows[m]'s disallowed logits (and those from token vocab_size on,
+// the model's padding) to -inf.  Returns bool [M]: whether row rows[m] still has a logit above -inf.
+// isa: -1 the best, else one of argmax_isas() (kAvx512 has its own path; the others run scalar).
+torch::Tensor mask_logits_(torch::Tensor& logits, const torch::Tensor& bits, const torch::Tensor& rows,
+                           int64_t vocab_size, int64_t isa);
 // ---- end sampling.cpp ----
 
 // ---- decoder_layer.cpp (a Llama layer's packed path around its attention; see engine/models/llama.py) ----

@@ -7,6 +7,8 @@
 //   torch's CPU argmax costs a measurable share of a decode step.
 // - the whole draw of sampled rows (sample_rows, below): temperature, the cut-offs, min-p and
 //   the inverse-CDF lookup in one buffer a row.
+// - grammar masks (mask_logits_): -inf where a row's bitmask disallows the token, 16 tokens a
+//   vector.
 #include "isa.h"
 #include "ops.h"
 
@@ -17,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -393,6 +396,39 @@ void row_top_k(const float* x, int64_t V, int64_t k, float* vals, int64_t* ids) 
   for (; k > 0 && i < V; ++i) offer(i);
 }
 
+
+// ---------------------------------------------------------------- grammar masks (mask_logits_)
+//
+// One logits row under a bitmask: tokens [0, n) whose bit is clear become -inf.  Returns the
+// largest logit left (-inf: none).  The AVX-512 path takes 16 tokens at a time as a masked load
+// (inside a JSON string a grammar allows most of the vocabulary, so a bit a token costs).
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+float mask_row_scalar(float* x, const uint32_t* bits, int64_t from, int64_t n) {
+  float best = kNegInf;
+  for (int64_t t = from; t < n; ++t) {
+    if (bits[t / 32] >> (t % 32) & 1u)
+      best = std::max(best, x[t]);
+    else
+      x[t] = kNegInf;
+  }
+  return best;
+}
+
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512) float mask_row_avx512(float* x, const uint32_t* bits, int64_t n) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  __m512 best = neg_inf;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __mmask16 keep = static_cast<__mmask16>(bits[i / 32] >> (i % 32));
+    const __m512 v = _mm512_mask_loadu_ps(neg_inf, keep, x + i);
+    _mm512_storeu_ps(x + i, v);
+    best = _mm512_max_ps(best, v);
+  }
+  return std::max(_mm512_reduce_max_ps(best), i < n ? mask_row_scalar(x, bits, i, n) : kNegInf);
+}
+
 }  // namespace
 
 int64_t argmax_best_isa() {
@@ -519,4 +555,35 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_rows(const torc
     }
   }
   return {lp, top_ids, top_lp};
+}
+
+torch::Tensor mask_logits_(torch::Tensor& logits, const torch::Tensor& bits, const torch::Tensor& rows,
+                           int64_t vocab_size, int64_t isa) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.device().is_cpu(),
+              "mask_logits_: logits must be a float32 CPU matrix with contiguous rows");
+  TORCH_CHECK(bits.dim() == 2 && bits.scalar_type() == at::kInt && bits.is_contiguous(),
+              "mask_logits_: bits must be a contiguous int32 matrix");
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == bits.size(0) && rows.scalar_type() == at::kLong,
+              "mask_logits_: rows must be int64 [bits rows]");
+  const std::vector<int64_t> paths = argmax_isas();
+  TORCH_CHECK(isa < 0 || std::find(paths.begin(), paths.end(), isa) != paths.end(), "mask_logits_: path ", isa,
+              " is not supported on this CPU");
+  const bool avx512 = (isa < 0 ? argmax_best_isa() : isa) == kAvx512;
+  const int64_t M = bits.size(0), W = bits.size(1), V = logits.size(1), ld = logits.stride(0);
+  const int64_t allowed_end = std::min({V, std::max<int64_t>(vocab_size, 0), W * 32});
+  const torch::Tensor rc = rows.contiguous();
+  const int64_t* rp = rc.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(rp[m] >= 0 && rp[m] < logits.size(0), "mask_logits_: row ", rp[m], " out of range");
+  torch::Tensor alive = torch::empty({M}, logits.options().dtype(at::kBool));
+  bool* ap = alive.data_ptr<bool>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
+  float* lp = logits.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    float* x = lp + rp[m] * ld;
+    const float best = avx512 ? mask_row_avx512(x, bp + m * W, allowed_end) : mask_row_scalar(x, bp + m * W, 0, allowed_end);
+    std::fill(x + allowed_end, x + V, kNegInf);
+    ap[m] = best > kNegInf;
+  }
+  return alive;
 }

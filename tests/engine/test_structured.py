@@ -4,6 +4,7 @@ validates, at temperature 1, batched with an unconstrained request that must not
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jsonschema
@@ -16,9 +17,9 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.loader import load_model
 from engine.request import SamplingParams
-from engine.sampler import fused_rows, plain_greedy
+from engine.sampler import fused_argmax, plain_greedy
 from engine.structured import StructuredSpec
-from engine.structured.masks import start_masks
+from engine.structured.masks import MaskBatch, MaskPlanner, _mask_rows
 from engine.validation import RequestError
 
 PROMPT = "Here is the record as JSON:"
@@ -52,8 +53,8 @@ def test_masks_only_touch_constrained_rows(engine: LLMEngine) -> None:
     reqs = engine.add_request("m", PROMPT, SamplingParams(max_tokens=4, structured=spec))
     free = engine.add_request("f", PROMPT, SamplingParams(max_tokens=4, temperature=0.0))
     assert not plain_greedy(reqs[0]) and plain_greedy(free[0])  # a constrained greedy row skips the fused argmax
-    assert fused_rows([free[0], reqs[0]]) == [0]  # ... but its plain neighbour keeps it
-    masks = start_masks([free[0], reqs[0]], engine.model_config.vocab_size)
+    assert fused_argmax([free[0]]) and not fused_argmax([free[0], reqs[0]])  # ... and so does its step
+    masks = MaskPlanner(engine.model_config.vocab_size).for_step([free[0], reqs[0]])
     logits = torch.randn(2, engine.model_config.vocab_size)
     before = logits.clone()
     masks.apply(logits, before, [free[0], reqs[0]])
@@ -65,6 +66,78 @@ def test_masks_only_touch_constrained_rows(engine: LLMEngine) -> None:
     engine.abort_request("f")
 
 
+def _mask_paths() -> list:
+    """None (the torch path) and each native path this CPU runs (engine/csrc/sampling.cpp)."""
+    from engine.structured import masks as masks_mod
+
+    op = masks_mod._native_mask_op()
+    if op is None:
+        return [None]
+    from engine.sampler import _native_op
+
+    return [None] + list(_native_op("argmax_isas")())
+
+
+@pytest.mark.parametrize("isa", _mask_paths())
+def test_mask_rows_native_and_torch_agree(isa, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole-zero, whole-one and mixed bitmask words, a logits width past the mask (model padding),
+    logits already -inf, and a row the mask leaves empty: every native path and the torch path give
+    the logits the bitmask says and the same "still has a token" flags."""
+    from engine.structured import masks as masks_mod
+
+    op = masks_mod._native_mask_op()
+    monkeypatch.setattr(masks_mod, "_native_mask_op", lambda: None if isa is None else functools.partial(op, isa=isa))
+    g = torch.Generator().manual_seed(0)
+    vocab, width = 1000, 1024  # 1000 tokens in the tokenizer, 1024 logits columns
+    bits = torch.randint(-(2**31), 2**31 - 1, (4, (vocab + 31) // 32), generator=g, dtype=torch.int32)
+    bits[0, :10] = 0
+    bits[1, 5:20] = -1
+    bits[2] = 0  # nothing allowed
+    bits[3, 3] = 1 << 7
+    logits = torch.randn(6, width, generator=g)
+    logits[4, :500] = -float("inf")
+    rows = torch.tensor([5, 0, 3, 4])
+    want = logits.clone()
+    for m, r in enumerate(rows.tolist()):
+        allowed = [(int(bits[m, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)] + [False] * (width - vocab)
+        want[r, ~torch.tensor(allowed)] = -float("inf")
+    alive = _mask_rows(logits, bits, rows, vocab)
+    assert torch.equal(logits, want)
+    assert alive.tolist() == [bool(torch.isfinite(want[r]).any()) for r in rows.tolist()] == [True, True, False, True]
+
+
+def test_masks_are_started_at_commit_and_reused_by_the_next_step(engine: LLMEngine) -> None:
+    """After a step commits its tokens, the next step's masks are already being built for the same
+    rows and equal masks built afresh; a row that joins makes the step build its own batch."""
+    spec = StructuredSpec("regex", "[0-9]{3}-[a-z]{3}", "x")
+    reqs = engine.add_request("p", PROMPT, SamplingParams(max_tokens=8, structured=spec))
+    later = engine.add_request("q", PROMPT, SamplingParams(max_tokens=8, structured=spec))
+    planner = MaskPlanner(engine.model_config.vocab_size)
+    first = planner.for_step(reqs)
+    first.wait()
+    (token,) = engine.tokenizer.encode("1", False)
+    assert (int(first.bits[0, token // 32]) >> (token % 32)) & 1  # a digit may come first
+    for _ in range(2):  # "1", then "11": the next mask still allows digits, then only digits or "-"
+        reqs[0].append_token(token)
+        planner.commit(reqs, [token])
+        ahead = planner.for_step(reqs)
+        fresh = MaskBatch(reqs, engine.model_config.vocab_size)
+        ahead.wait()
+        fresh.wait()
+        assert ahead is not first and ahead.covers(reqs) and not first.covers(reqs)
+        assert torch.equal(ahead.bits, fresh.bits)
+    reqs[0].append_token(token)  # "111"
+    planner.commit(reqs, [token])
+    ahead = planner._ahead
+    both = planner.for_step(reqs + later)
+    assert ahead is not None and both is not ahead and both.requests == reqs + later
+    both.wait()
+    (dash,) = engine.tokenizer.encode("-", False)
+    assert torch.equal(both.bits[0], ahead.bits[0]) and (int(both.bits[0, dash // 32]) >> (dash % 32)) & 1
+    engine.abort_request("p")
+    engine.abort_request("q")
+
+
 def test_unconstrained_neighbour_unchanged(engine: LLMEngine) -> None:
     alone = _run(engine, {"a": PLAIN})["a"][0]
     spec = StructuredSpec.choice(["alpha", "beta"], "x")
@@ -73,9 +146,10 @@ def test_unconstrained_neighbour_unchanged(engine: LLMEngine) -> None:
     assert both["c"] == ("alpha", "stop") or both["c"] == ("beta", "stop")
 
 
-def test_constrained_row_leaves_neighbours_the_fused_argmax(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Beside a constrained request, plain greedy rows still get their tokens from the LM head's
-    fused argmax; only the constrained row's logits are computed."""
+def test_constrained_row_takes_one_lm_head_pass_with_its_neighbours(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with a constrained request among plain greedy ones reads the LM head once, for logits
+    of every row (not a fused argmax for the plain rows plus a second pass for the constrained one);
+    once the constrained request is done, its neighbours go back to the fused argmax."""
     model = engine.runner.model
     greedy_tokens, compute_logits = model.greedy_tokens, model.compute_logits
     if greedy_tokens(torch.zeros(1, engine.model_config.hidden_size)) is None:
@@ -86,7 +160,7 @@ def test_constrained_row_leaves_neighbours_the_fused_argmax(engine: LLMEngine, m
     spec = StructuredSpec("regex", "[a-z]{6}", "x")
     out = _run(engine, {"a": PLAIN, "b": PLAIN, "c": SamplingParams(max_tokens=8, temperature=0.0, structured=spec)})
     assert len(out["c"][0]) == 6 and out["c"][1] == "stop"
-    assert fused.count(2) >= 5 and logits.count(1) >= 2 and 3 not in logits, (fused, logits)  # steps: 2 fused + 1 alone
+    assert logits.count(3) >= 2 and set(logits) == {3} and set(fused) == {2}, (fused, logits)
 
 
 def _finish(engine: LLMEngine, rid: str, params: SamplingParams) -> tuple[str, str, object]:
