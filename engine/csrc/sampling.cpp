@@ -407,11 +407,20 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 float mask_row_scalar(float* x, const uint32_t* bits, int64_t from, int64_t n) {
   float best = kNegInf;
-  for (int64_t t = from; t < n; ++t) {
-    if (bits[t / 32] >> (t % 32) & 1u)
-      best = std::max(best, x[t]);
-    else
-      x[t] = kNegInf;
+  for (int64_t t = from; t < n;) {
+    const uint32_t word = bits[t / 32] >> (t % 32);
+    const int64_t len = std::min<int64_t>(32 - t % 32, n - t);
+    if (word == 0) {  // nothing allowed here: most of a row, where a grammar allows a few tokens
+      std::fill(x + t, x + t + len, kNegInf);
+    } else {
+      for (int64_t j = 0; j < len; ++j) {
+        if (word >> j & 1u)
+          best = std::max(best, x[t + j]);
+        else
+          x[t + j] = kNegInf;
+      }
+    }
+    t += len;
   }
   return best;
 }
