@@ -17,7 +17,7 @@ from engine import envs
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2")
-WEIGHT_QUANTS = ("auto", "q8_0", "none")
+WEIGHT_QUANTS = ("auto", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "none")  # the types: quant.blocks.QUANTIZE_TYPES
 LARGE_BATCH_MATMULS = ("auto", "int8_rows", "int8", "dense")
 # Default most memory the row-int8 copies of the weights may take ("auto" large-batch matmuls; one
 # byte per weight): small models get them, 0.5B+ ones keep their idle memory near the file's size.

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.quant import routing
 from engine.quant.pack_cache import PackCache
-from engine.quant.packing import pack_gguf, packable, packing_refusal, quantize_q8_0
+from engine.quant.packing import pack_gguf, packable, packing_refusal, quantize_dense
 from engine.quant.routing import FAMILY, ROWS_INT8_MIN_ROWS, default_max_rows, large_batch_packed
 from engine.quant.weights import (
     PackedParts,
@@ -167,7 +167,7 @@ def attach_gguf_weights(
     model: nn.Module,
     gguf_tensors: dict[str, "GGUFTensor"],
     max_rows: Optional[int] = None,
-    quantize_dense: bool = False,
+    quantize_to: Optional[str] = None,
     large_act_bits: int = 0,
     rows_int8: bool = False,
     cache: Optional[PackCache] = None,
@@ -176,7 +176,7 @@ def attach_gguf_weights(
 
     Each projection takes its GGUF blocks when there is a kernel for their qtype (a merged one of
     mixed qtypes as :class:`PackedParts`); otherwise, with
-    ``quantize_dense`` (opt-in, lossy), a Q8_0 copy of its dense weight; else it stays dense.  The
+    ``quantize_to`` (a GGUF type name; opt-in, lossy), its dense weight quantized to it; else it stays dense.  The
     LM head uses ``lm_head.weight`` or, tied, ``model.embed_tokens.weight``.  With ``rows_int8``
     (and ``large_act_bits``) each also gets a row-scaled int8 copy for large batches.  ``cache``
     supplies packed layouts a previous run stored, and takes this run's.  Returns
@@ -210,8 +210,12 @@ def attach_gguf_weights(
                 why = f"{kinds}: {why}"
         if packed is not None:
             stats["packed"] += 1
-        elif quantize_dense:
-            packed = quantize_q8_0(module.weight.data)
+        elif quantize_to is not None:
+            packed = cache.get(name) if cache is not None else None
+            if packed is None:
+                packed = quantize_dense(module.weight.data, quantize_to)
+                if cache is not None:
+                    cache.put(name, packed)
             stats["quantized"] += 1
         else:
             stats["dense"] += 1
@@ -236,7 +240,8 @@ def attach_quantized_weights(model: nn.Module, config: "EngineConfig", loaded: "
     what was decided.
 
     ``config.weight_quant``: "auto" packs the file's own blocks (exact w.r.t. the weights);
-    "q8_0" also quantizes dense weights (HF checkpoints; lossy); "none" stays dense.
+    a type ("q8_0", "q4_0", ...) also quantizes dense weights to it (HF checkpoints; lossy); "none"
+    stays dense.
     ``large_batch_matmul`` decides whether batches above the small-batch limit use them too, and
     whether row-int8 copies serve the largest (within ``rows_int8_budget_gb``).  ``absent``: the
     weights loaded without a dense copy (``skip_dense``), which must end up served from their blocks.
@@ -259,9 +264,13 @@ def _attach(model: nn.Module, config: "EngineConfig", loaded: "LoadedModel", abs
     if rows_int8 and not rows_int8_fast():
         logger.info("no AVX-512 VNNI or AMX here: large batches use the packed blocks, not row-int8 copies")
         rows_int8 = False
-    cache = PackCache(loaded.source) if loaded.gguf_tensors and os.path.isfile(loaded.source) else None
+    quantize_to = None if config.weight_quant in ("auto", "none") else config.weight_quant.upper()
+    cache = None
+    if (loaded.gguf_tensors and os.path.isfile(loaded.source)) or (quantize_to and os.path.isdir(loaded.source)):
+        cache = PackCache(loaded.source, quantized_to=quantize_to or "")
     stats = attach_gguf_weights(
-        model, loaded.gguf_tensors, quantize_dense=config.weight_quant == "q8_0", large_act_bits=8 if large_int8 else 0,
+        model, loaded.gguf_tensors, quantize_to=quantize_to,
+        large_act_bits=8 if large_int8 else 0,
         cache=cache,
     )
     if cache is not None and cache.hit:
@@ -288,9 +297,10 @@ def _attach(model: nn.Module, config: "EngineConfig", loaded: "LoadedModel", abs
     if large_int8:
         large = "packed, int8 activations" + (f"; row-int8 copies ({rows_isas()[-1]}) for larger ones" if rows_int8 else "")
     logger.info(
-        "packed weights: %d from the file, %d quantized to Q8_0, %d dense (%.0f MiB); large batches: %s; "
+        "packed weights: %d from the file, %d quantized to %s at load (lossy), %d dense (%.0f MiB); large batches: %s; "
         "%d layers on the native packed path",
-        stats["packed"], stats["quantized"], stats["dense"], stats["bytes"] / 2**20, large, native_layers,
+        stats["packed"], stats["quantized"], config.weight_quant.upper() if stats["quantized"] else "-", stats["dense"],
+        stats["bytes"] / 2**20, large, native_layers,
     )
     freed = release_dense_weights(model, unfilled)
     if freed:

@@ -318,21 +318,25 @@ def dequantize_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> 
     return dequantize_rows(raw.contiguous(), qtype, shape[1])
 
 
-def quantize_q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
-    """Dense [N, K] -> GGUF Q8_0 blocks uint8 [N, K/32 * 34], bit-identical to gguf.quants / ggml."""
+# The types a dense weight may be quantized to at load (--weight-quant): those gguf-py's quantizer
+# writes (bit-identical to ggml's) and the kernels serve.  gguf-py has no K-type quantizer.
+QUANTIZE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
+
+
+def quantize_blocks(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Dense [N, K] -> GGUF ``qtype`` blocks uint8 [N, K / 32 * bytes per block] (gguf-py's quantizer,
+    as llama-quantize writes them from float32); float32 temporaries a few MiB at a time."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if qtype not in QUANTIZE_TYPES:
+        raise ValueError(f"cannot quantize to {qtype}: one of {', '.join(QUANTIZE_TYPES)}")
     n, k = w.shape
     if k % BLOCK:
-        raise ValueError(f"Q8_0 needs in_features divisible by {BLOCK}, got {k}")
-    out = torch.empty(n, k // BLOCK, BLOCK_BYTES["Q8_0"], dtype=torch.uint8)
+        raise ValueError(f"{qtype} needs in_features divisible by {BLOCK}, got {k}")
+    out = torch.empty(n, k // BLOCK * BLOCK_BYTES[qtype], dtype=torch.uint8)
     step = max(1, (1 << 22) // k)  # bounded float32 temporaries for big matrices (the LM head)
     for s in range(0, n, step):
-        b = w[s : s + step].float().reshape(-1, k // BLOCK, BLOCK)
-        d = b.abs().amax(dim=-1, keepdim=True) / 127
-        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        v = b * inv
-        a = v.abs()
-        fl = a.floor()
-        q = torch.sign(v) * (fl + torch.floor(2 * (a - fl)))  # round half away from zero, as ggml's roundf
-        out[s : s + step, :, 0:2] = d.half().view(torch.uint8)
-        out[s : s + step, :, 2:] = q.to(torch.int8).view(torch.uint8)
-    return out.reshape(n, -1)
+        rows = w[s : s + step].float().numpy()
+        out[s : s + step] = torch.from_numpy(quantize(rows, GGMLQuantizationType[qtype]).reshape(rows.shape[0], -1))
+    return out

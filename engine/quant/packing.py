@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from engine.quant.blocks import GROUP_ROWS, QTYPE_IDS, block_weights, pack_blocks, quantize_q8_0_blocks
+from engine.quant.blocks import GROUP_ROWS, QTYPE_IDS, block_weights, pack_blocks, quantize_blocks
 from engine.quant.weights import PackedParts, PackedWeight, native_available
 
 if TYPE_CHECKING:
@@ -62,8 +62,10 @@ def pack_gguf(
     return parts[0] if len(parts) == 1 else PackedParts(parts)
 
 
-def quantize_q8_0(w: torch.Tensor, isa: Optional[str] = None, act_bits: Optional[int] = None) -> PackedWeight:
-    """Q8_0-quantize a dense weight [N, K] (opt-in, lossy: ~0.4% relative error per weight)."""
-    n, k = w.shape
-    return PackedWeight(pack_blocks(quantize_q8_0_blocks(w), "Q8_0", (n, k)), "Q8_0", (int(n), int(k)), isa, act_bits)
-
+def quantize_dense(
+    w: torch.Tensor, qtype: str, isa: Optional[str] = None, act_bits: Optional[int] = None
+) -> PackedWeight:
+    """Quantize a dense weight [N, K] to ``qtype`` (one of blocks.QUANTIZE_TYPES; opt-in, lossy:
+    Q8_0 ~0.4% relative error per weight, the 4-bit types ~10%) and pack it."""
+    n, k = (int(d) for d in w.shape)
+    return PackedWeight(pack_blocks(quantize_blocks(w, qtype), qtype, (n, k)), qtype, (n, k), isa, act_bits)

@@ -16,7 +16,7 @@ from engine.layers.linear import Linear
 from engine.quant import pack_cache
 from engine.quant.weights import PackedParts, native_available
 from engine.request import SamplingParams
-from tests.tiny_models import make_tiny_gguf
+from tests.tiny_models import make_tiny_gguf, make_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no native extension")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -30,9 +30,9 @@ def small_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(pack_cache, "MIN_BYTES", 0)
 
 
-def build(path: str, caplog) -> tuple[LLMEngine, list[str]]:  # noqa: ANN001
+def build(path: str, caplog, **kwargs) -> tuple[LLMEngine, list[str]]:  # noqa: ANN001
     caplog.clear()
-    cfg = EngineConfig(model=path, cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(max_model_len=256))
+    cfg = EngineConfig(model=path, cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(max_model_len=256), **kwargs)
     with caplog.at_level(logging.INFO, logger="engine.quant.attach"):
         engine = LLMEngine(cfg)
     return engine, [r.getMessage() for r in caplog.records]
@@ -71,6 +71,27 @@ def test_second_start_maps_the_first_ones_packing(tmp_path, caplog, qtype):
     assert not any("mapped from the cache" in line for line in log3)
     assert any("packed weights cached in" in line for line in log3)
     assert packed_bytes(third) == packed_bytes(first)
+
+
+def test_weights_quantized_at_load_are_cached_per_type(tmp_path, caplog):
+    """--weight-quant on a Hugging Face directory: the second start maps the first one's quantized
+    weights (the same bytes, the same tokens); another type, or a changed file, is not served from it."""
+    path = str(make_tiny_hf_model(tmp_path, "llama", seed=2))
+    first, log1 = build(path, caplog, weight_quant="q4_0")
+    assert any("packed weights cached in" in line for line in log1), log1
+    second, log2 = build(path, caplog, weight_quant="q4_0")
+    assert any("mapped from the cache" in line for line in log2), log2
+    assert packed_bytes(first) and packed_bytes(second) == packed_bytes(first)
+    assert tokens(second) == tokens(first)
+
+    other, log3 = build(path, caplog, weight_quant="q8_0")
+    assert not any("mapped from the cache" in line for line in log3)
+    assert {m.packed.qtype for m in other.runner.model.modules() if isinstance(m, Linear)} == {"Q8_0"}
+
+    weights = os.path.join(path, "model.safetensors")
+    os.utime(weights, ns=(0, os.stat(weights).st_mtime_ns + 10**9))
+    _, log4 = build(path, caplog, weight_quant="q4_0")
+    assert not any("mapped from the cache" in line for line in log4)
 
 
 def test_an_unwritable_cache_folder_only_warns(tmp_path, caplog, monkeypatch):

@@ -222,22 +222,31 @@ def test_act_bits_16_is_nearly_exact():
     assert err[16] < 1e-4 and err[8] > 50 * err[16], err  # theory: 128x smaller
 
 
-def test_quantize_q8_0_matches_gguf():
+@pytest.mark.parametrize("qtype", list(qblocks.QUANTIZE_TYPES))
+def test_quantize_dense_packs_what_llama_quantize_would_write(qtype):
+    """--weight-quant on dense weights: the packed weight holds exactly the blocks gguf-py's
+    quantizer (bit-identical to ggml's) writes, the kernels multiply by their dequantized values, and
+    no weight moves more than half a quantization step (plus the fp16 scale's rounding)."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
+    from gguf.quants import dequantize, quantize
 
     w = torch.randn(33, 96) * 0.05
     w[0, :32] = 0  # an all-zero block
     w[1, 5] = 3.0  # a block with one outlier
-    ours = qblocks.quantize_q8_0_blocks(w)
-    theirs = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q8_0).reshape(33, -1).copy())
-    assert torch.equal(ours, theirs)
-    pw = qpacking.quantize_q8_0(w.to(torch.bfloat16))
-    assert pw.qtype == "Q8_0" and pw.shape == (33, 96)
+    theirs = quantize(w.numpy(), GGMLQuantizationType[qtype])
+    assert torch.equal(qblocks.quantize_blocks(w, qtype), torch.from_numpy(theirs.reshape(33, -1).copy()))
+    pw = qpacking.quantize_dense(w.to(torch.bfloat16), qtype)
+    assert pw.qtype == qtype and pw.shape == (33, 96)
+    expected = torch.from_numpy(dequantize(quantize(w.to(torch.bfloat16).float().numpy(), GGMLQuantizationType[qtype]),
+                                           GGMLQuantizationType[qtype]).copy())
+    torch.testing.assert_close(pw.dequantize(), expected, atol=0, rtol=0)
     x = torch.randn(2, 96)
     check_output(pw(x), x, pw.dequantize())
-    # at most half a quantization step of the block (the outlier block's step is 3 / 127), plus fp16 d
-    assert (pw.dequantize() - w.to(torch.bfloat16).float()).abs().max() < 0.5 * 3 / 127 + 1e-3
+    levels = {"Q8_0": 127, "Q5_1": 31, "Q5_0": 15, "Q4_1": 15, "Q4_0": 7}[qtype]
+    step = (w.abs().reshape(33, 3, 32).amax(-1) / levels).repeat_interleave(32, -1)  # the coarsest a block may be
+    assert ((pw.dequantize() - w.to(torch.bfloat16).float()).abs() <= step + 1e-3).all()
+    with pytest.raises(ValueError, match="cannot quantize to Q4_K"):
+        qblocks.quantize_blocks(w, "Q4_K")
 
 
 def test_linear_routes_small_batches_to_packed():
@@ -383,21 +392,23 @@ def _tiny_llama(dtype=torch.float32):
     return model
 
 
-def test_attach_quantizes_dense_models_on_request():
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_attach_quantizes_dense_models_on_request(qtype):
     from engine.layers.linear import Linear
 
     model = _tiny_llama()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert attach.attach_gguf_weights(model, {})["dense"] == len(linears)  # nothing to pack, not opted in
     assert all(m.packed is None for m in linears)
-    stats = attach.attach_gguf_weights(model, {}, max_rows=4, quantize_dense=True)
+    stats = attach.attach_gguf_weights(model, {}, max_rows=4, quantize_to=qtype)
     assert stats["quantized"] == len(linears) == 2 * 4 + 1 and stats["packed"] == 0
+    levels = {"Q8_0": 127, "Q4_0": 7}[qtype]
     for m in linears:
-        assert m.packed.qtype == "Q8_0" and m.packed_max_rows == 4
+        assert m.packed.qtype == qtype and m.packed_max_rows == 4
         x = torch.randn(3, m.in_features)
         check_output(m(x), x, m.packed.dequantize())
-        # Q8_0 of the dense weight stays close to it
-        assert (m.packed.dequantize() - m.weight.float()).abs().max() <= m.weight.abs().max() / 127
+        # the quantized weight stays within a quantization step of the dense one
+        assert (m.packed.dequantize() - m.weight.float()).abs().max() <= m.weight.abs().max() / levels
 
 
 def test_attach_packs_gguf_blocks_of_merged_layers():
@@ -571,7 +582,7 @@ def test_block_kernel_refuses_the_amx_path():
     """amx-int8 is a row-int8 path: the block kernels say so instead of running something else."""
     if "amx-int8" not in qweights.rows_isas():
         pytest.skip("amx-int8 not supported on this CPU")
-    pw = qpacking.quantize_q8_0(torch.randn(32, 64), "amx-int8")
+    pw = qpacking.quantize_dense(torch.randn(32, 64), "Q8_0", "amx-int8")
     with pytest.raises(RuntimeError, match="row-int8 weights only"):
         pw(torch.randn(2, 64))
 
