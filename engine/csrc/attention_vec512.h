@@ -38,30 +38,6 @@ static inline __mmask64 mask64(int n) {
   return n >= 64 ? ~static_cast<__mmask64>(0) : n <= 0 ? static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << n) - 1;
 }
 
-// 16 x 16 transpose of 32-bit elements: r[i][j] -> r[j][i].
-static inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
-    const __m512i b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512i e = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
-    const __m512i f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
-    r[c] = _mm512_shuffle_i32x4(a, b, 0x88);
-    r[c + 8] = _mm512_shuffle_i32x4(a, b, 0xdd);
-    r[c + 4] = _mm512_shuffle_i32x4(e, f, 0x88);
-    r[c + 12] = _mm512_shuffle_i32x4(e, f, 0xdd);
-  }
-}
 
 // fp8 / int8 row (D values) -> bf16(x * scale), Dp values (zero padded).
 static inline void dequant_row_bf16(const uint8_t* src, int D, int Dp, KvKind kind, float scale, uint16_t* dst) {
@@ -331,7 +307,7 @@ struct Bf16Ops {
           const uint16_t* row = krows[h * 16 + i];
           r[i] = row ? _mm512_maskz_loadu_epi16(mk, row + c * 32) : _mm512_setzero_si512();
         }
-        transpose16(r);
+        Vec512::transpose16(r);
         for (int j = 0; j < 16; ++j) _mm512_store_si512(kt + (c * 16 + j) * KT + h * 16, r[j]);
       }
     }
@@ -432,7 +408,7 @@ static inline void qk_direct(const void* qv, int qs, const void* const* krows, i
           t[i] = h * 16 + i < n ? _mm512_maskz_loadu_epi16(mk, row + c * 32) : _mm512_setzero_si512();
         }
       }
-      transpose16(t);
+      Vec512::transpose16(t);
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
         if constexpr (kFma) {
@@ -748,7 +724,7 @@ struct F32Ops {
           const float* row = krows[h * 16 + i];
           r[i] = row ? _mm512_castps_si512(_mm512_loadu_ps(row + c * 16)) : _mm512_setzero_si512();
         }
-        transpose16(r);
+        Vec512::transpose16(r);
         for (int j = 0; j < 16; ++j) _mm512_store_si512(kt + (c * 16 + j) * KT + h * 16, r[j]);
       }
     }
@@ -820,7 +796,7 @@ static inline void keys_u8_transposed(const void* const* krows, int h, int c, in
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i)
     t[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, static_cast<const int8_t*>(krows[h * 16 + i]) + c * 64), flip);
-  transpose16(t);
+  Vec512::transpose16(t);
 }
 
 // S[r][0, KT) for RB int8 query rows (qs bytes apart, zero past D) against up to KT int8 key rows.

@@ -40,6 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_bf16_supported", &dense_bf16_supported, "whether dense_bf16_forward runs here (AVX512-BF16)");
   m.def("dense_bf16_forward", &dense_bf16_forward, "x @ W^T for a dense bf16 weight, small batches", nogil,
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("out_float32") = false);
+  m.def("dense_bf16_pack", &dense_bf16_pack, "a dense bf16 weight in dense_bf16_packed_forward's layout", nogil, py::arg("weight"));
+  m.def("dense_bf16_packed_forward", &dense_bf16_packed_forward, "x @ W^T for a packed dense bf16 weight", nogil,
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("out_float32") = false);
   m.def("qlinear_rows_isas", &qlinear_rows_isas, "row-int8 instruction-set paths usable on this CPU, best last");
   // ---- end qlinear.cpp ----
   m.def("qlinear_rows_from_packed", &qlinear_rows_from_packed, "row-scaled int8 copy of a packed weight", nogil,

@@ -40,6 +40,9 @@ int64_t qlinear_best_isa();
 bool dense_bf16_supported();
 torch::Tensor dense_bf16_forward(const torch::Tensor& x, const torch::Tensor& weight,
                                  const c10::optional<torch::Tensor>& bias, bool out_float32 = false);
+torch::Tensor dense_bf16_pack(const torch::Tensor& weight);
+torch::Tensor dense_bf16_packed_forward(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                        const c10::optional<torch::Tensor>& bias, bool out_float32);
 // ---- end dense_bf16.cpp ----
 
 // ---- qlinear_rows.cpp ----

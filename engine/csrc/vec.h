@@ -192,6 +192,30 @@ struct Vec512 {
     const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
     return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
   }
+  // 16 x 16 transpose of 32-bit elements: r[i][j] -> r[j][i].
+  static void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+      const __m512i b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+      const __m512i e = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+      const __m512i f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+      r[c] = _mm512_shuffle_i32x4(a, b, 0x88);
+      r[c + 8] = _mm512_shuffle_i32x4(a, b, 0xdd);
+      r[c + 4] = _mm512_shuffle_i32x4(e, f, 0x88);
+      r[c + 12] = _mm512_shuffle_i32x4(e, f, 0xdd);
+    }
+  }
   static float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
   static float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
   static __m512 exp(__m512 a) {

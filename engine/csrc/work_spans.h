@@ -95,4 +95,22 @@ class WorkSpans {
   std::unique_ptr<Span[]> spans_;
 };
 
+// fn(u) for every unit of a product over product_threads(units, work) threads of the caller's
+// team (stolen from each other's spans), or on the caller's thread alone when that is one thread
+// or the caller is already inside a parallel region.
+template <typename Fn>
+void run_units(int64_t units, int64_t work, const Fn& fn) {
+  const int threads = product_threads(units, work);
+  if (threads == 1 || omp_in_parallel()) {
+    for (int64_t u = 0; u < units; ++u) fn(u);
+    return;
+  }
+  WorkSpans spans(units, threads);
+#pragma omp parallel  // the whole team, the work on its first `threads` (Team size, above)
+  {
+    const int me = omp_get_thread_num();
+    if (me < std::min(threads, omp_get_num_threads())) spans.run(me, fn);
+  }
+}
+
 }  // namespace cpuserve_par

@@ -33,9 +33,11 @@ class Linear(nn.Module):
         # rows_int8_min_rows rows (engine.quant.weights.RowInt8Weight).
         self.rows_int8: Optional[Any] = None
         self.rows_int8_min_rows = 0
-        # Set by engine.quant.routing.route_dense_bf16 for a dense bf16 weight: a native kernel
-        # dense_op(x, weight, bias, float32_out) for batches of up to dense_max_rows rows.
+        # Set by engine.quant.routing.route_dense_bf16 for a dense bf16 weight: either the weight
+        # repacked (dense_packed; the plain one freed) and dense_op(x, packed, n, bias, float32_out)
+        # for every batch, or dense_op(x, weight, bias, float32_out) for up to dense_max_rows rows.
         self.dense_op: Optional[Any] = None
+        self.dense_packed: Optional[torch.Tensor] = None
         self.dense_max_rows = 0
 
     def forward(self, x: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
@@ -48,6 +50,10 @@ class Linear(nn.Module):
                 return self.rows_int8(x, self.bias, float32_out)
             if self.large_act_bits:
                 return self.packed(x, self.bias, self.large_act_bits, float32_out)
+        if self.dense_packed is not None:
+            y = self.dense_op(x.reshape(-1, self.in_features).to(torch.bfloat16), self.dense_packed, self.out_features,
+                              self.bias, float32_out)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if x.shape[0] <= self.dense_max_rows and x.dim() == 2 and x.dtype == torch.bfloat16:
             return self.dense_op(x, self.weight, self.bias, float32_out)
         y = F.linear(x, self.weight, self.bias)

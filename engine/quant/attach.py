@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any, Collection, Optional, Sequence
 
 from torch import nn
@@ -250,10 +251,12 @@ def attach_quantized_weights(model: nn.Module, config: "EngineConfig", loaded: "
     if config.weight_quant != "none":
         _attach(model, config, loaded, absent, unfilled)
     _check_served(model, unfilled)
-    dense = routing.route_dense_bf16(model)
-    if dense:
-        logger.info("dense bf16 projections: batches of up to %d rows on the native AVX512-BF16 kernel (%d projections)",
-                    routing.DENSE_BF16_MAX_ROWS, dense)
+    t0 = time.perf_counter()
+    repacked, as_is = routing.route_dense_bf16(model)
+    if repacked or as_is:
+        logger.info("dense bf16 projections on the native AVX512-BF16 kernel: %d repacked for every batch size (%.1f s), "
+                    "%d tied to the embedding as they are for batches of up to %d rows",
+                    repacked, time.perf_counter() - t0, as_is, routing.DENSE_BF16_MAX_ROWS)
 
 
 def _attach(model: nn.Module, config: "EngineConfig", loaded: "LoadedModel", absent: set[str], unfilled: set[str]) -> None:

@@ -48,10 +48,11 @@ ROWS_INT8_CANDIDATES = (6, 8, 12, 16, 20)
 # the copies are the less accurate path, and a noisy host must not flip the choice between loads.
 ROWS_INT8_TIE = 0.01
 
-# Dense bf16 weights (a Hugging Face directory served as it is): batches of at most this many rows
-# take the native AVX512-BF16 kernel (engine/csrc/dense_bf16.cpp), which streams the weight faster
-# than torch's bf16 GEMM (which reorders the weight at every call); larger ones stay on F.linear,
-# which catches up as they turn compute-bound.
+# Dense bf16 weights (a Hugging Face directory served as it is) are repacked for the native
+# AVX512-BF16 kernel (engine/csrc/dense_bf16.cpp), which is faster than torch's bf16 GEMM (which
+# reorders the weight at every call) at every batch size; a weight tied to the token embedding
+# stays as it is, and batches of at most this many rows take the kernel's as-is variant, larger
+# ones F.linear.
 DENSE_BF16_MAX_ROWS = 16
 
 # Activation precision inside the kernel: 16 = each 32-block rounded to 15 bits (two int8 digits;
@@ -174,22 +175,32 @@ def tune_rows_int8_min_rows(model: nn.Module, passes: int = 3) -> Optional[int]:
     return chosen
 
 
-def route_dense_bf16(model: nn.Module) -> int:
-    """Send the small batches of every dense bf16 Linear (no packed weight) to the native
-    dense_bf16_forward kernel where this CPU runs it; returns how many Linears were routed."""
+def route_dense_bf16(model: nn.Module) -> tuple[int, int]:
+    """Send every dense bf16 Linear (no packed weight) to the native AVX512-BF16 kernels where this
+    CPU runs them: a weight the Linear owns alone is repacked (dense_bf16_pack: 16 output rows'
+    element pairs a vector, the plain copy freed) and serves every batch size; one shared with
+    another module (an LM head tied to the token embedding, whose lookup needs the rows) serves
+    batches of up to DENSE_BF16_MAX_ROWS rows as it is.  Returns (repacked, as-is) counts."""
     from engine import native
     from engine.layers.linear import Linear
 
-    mod = native.module_with("dense_bf16_forward")
+    mod = native.module_with("dense_bf16_packed_forward")
     if mod is None or not mod.dense_bf16_supported():
-        return 0
-    routed = 0
+        return 0, 0
+    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    repacked = as_is = 0
     for lin in model.modules():
         w = lin.weight if isinstance(lin, Linear) else None
         if w is None or lin.packed is not None or w.dtype != torch.bfloat16 or not w.numel() or not w.is_contiguous():
             continue
         if lin.bias is not None and (lin.bias.dtype != torch.bfloat16 or not lin.bias.is_contiguous()):
-            continue  # the kernel takes a contiguous bf16 bias only
-        lin.dense_op, lin.dense_max_rows = mod.dense_bf16_forward, DENSE_BF16_MAX_ROWS
-        routed += 1
-    return routed
+            continue  # the kernels take a contiguous bf16 bias only
+        if id(w) in shared or w.shape[1] % 2:
+            lin.dense_op, lin.dense_max_rows = mod.dense_bf16_forward, DENSE_BF16_MAX_ROWS
+            as_is += 1
+            continue
+        lin.dense_packed = mod.dense_bf16_pack(w)
+        lin.dense_op = mod.dense_bf16_packed_forward
+        lin.weight = nn.Parameter(w.new_empty(0, lin.in_features), requires_grad=False)
+        repacked += 1
+    return repacked, as_is

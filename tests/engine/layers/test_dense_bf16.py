@@ -49,11 +49,54 @@ def test_bad_inputs_are_refused():
         mod.dense_bf16_forward(torch.randn(1, 32), w)
 
 
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """dense_bf16_pack's inverse: [N/16, K/2, 16, 2] -> [N, K]."""
+    groups, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(groups * 16, pairs * 2)[:n]
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (2, 37, 96), (5, 100, 50), (6, 16, 2), (7, 17, 34), (13, 1, 2048), (64, 80, 128)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_products_match_float32_within_bf16_rounding(m, n, k, bias):
+    """The repacked weight's kernel, across the tails of its 6-row tiles, 4-group units and 16-row
+    groups: float32 output equals the float32 product to accumulation error, bf16 output is it
+    rounded; the packing loses nothing (unpacking gives the weight back)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    packed = mod.dense_bf16_pack(w)
+    assert torch.equal(unpack(packed, n), w)
+    ref = x.float() @ w.float().t() + (b.float() if bias else 0)
+    got = mod.dense_bf16_packed_forward(x, packed, n, b, True)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4 * k**0.5)
+    got16 = mod.dense_bf16_packed_forward(x, packed, n, b)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), ref.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    view = torch.randn(m, k + 3, generator=g).to(torch.bfloat16)[:, 1 : k + 1]  # rows at an odd element offset
+    torch.testing.assert_close(mod.dense_bf16_packed_forward(view, packed, n, None, True), view.float() @ w.float().t(),
+                               rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+def test_packed_bad_inputs_are_refused():
+    packed = mod.dense_bf16_pack(torch.randn(40, 32).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="does not match"):
+        mod.dense_bf16_packed_forward(torch.randn(1, 16).to(torch.bfloat16), packed, 40)
+    with pytest.raises(RuntimeError, match="does not match"):
+        mod.dense_bf16_packed_forward(torch.randn(1, 32).to(torch.bfloat16), packed, 20)
+    with pytest.raises(RuntimeError, match="bias"):
+        mod.dense_bf16_packed_forward(torch.randn(1, 32).to(torch.bfloat16), packed, 40, torch.randn(40))
+    with pytest.raises(RuntimeError, match="K even"):
+        mod.dense_bf16_pack(torch.randn(8, 31).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_bf16_model_routes_small_batches_to_the_kernel_and_generates_as_f_linear(tmp_path, arch):
+def test_a_bf16_model_runs_on_the_kernels_and_generates_as_f_linear(tmp_path, arch):
     """A bf16 model from a Hugging Face directory (Llama: its own LM head; Qwen2: q/k/v biases and
-    the LM head tied to the embedding): every projection and the LM head take the
-    kernel for batches of up to DENSE_BF16_MAX_ROWS rows, and greedy decoding gives F.linear's tokens."""
+    the LM head tied to the embedding): every projection it owns alone is repacked (its plain copy
+    freed), a tied LM head takes the as-is kernel for batches of up to DENSE_BF16_MAX_ROWS rows, and
+    greedy decoding gives the tokens of F.linear on the same weights."""
     from tests.tiny_models import make_tiny_hf_model
 
     from engine.config import CacheConfig, EngineConfig
@@ -64,8 +107,15 @@ def test_a_bf16_model_routes_small_batches_to_the_kernel_and_generates_as_f_line
 
     path = str(make_tiny_hf_model(tmp_path, arch))
     engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", cache=CacheConfig(num_blocks=64)))
-    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.dense_max_rows == DENSE_BF16_MAX_ROWS for m in linears)
+    model = engine.runner.model
+    named = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    tied = {name for name, m in named.items() if m.weight is model.embed_tokens.weight}
+    assert tied == ({"lm_head"} if arch == "qwen2" else set())
+    for name, m in named.items():
+        if name in tied:
+            assert m.dense_packed is None and m.dense_max_rows == DENSE_BF16_MAX_ROWS
+        else:
+            assert m.dense_packed is not None and m.weight.numel() == 0, name
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
     def generate() -> dict:
@@ -78,11 +128,8 @@ def test_a_bf16_model_routes_small_batches_to_the_kernel_and_generates_as_f_line
         return out
 
     native_tokens = generate()
-    for m in linears:
-        m.dense_max_rows = 0
+    for m in named.values():  # back to the plain weights on F.linear
+        if m.dense_packed is not None:
+            m.weight = torch.nn.Parameter(unpack(m.dense_packed, m.out_features).clone(), requires_grad=False)
+        m.dense_packed, m.dense_op, m.dense_max_rows = None, None, 0
     assert generate() == native_tokens
-    x = torch.randn(3, linears[0].in_features).to(torch.bfloat16)
-    torch.testing.assert_close(linears[0].dense_op(x, linears[0].weight, linears[0].bias, True),
-                               F.linear(x.float(), linears[0].weight.float(),
-                                        None if linears[0].bias is None else linears[0].bias.float()),
-                               rtol=1e-5, atol=1e-3)
