@@ -311,7 +311,8 @@ def sample(logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBa
     """logits: float32 [len(requests), vocab], one row per request that samples this step.
 
     ``masks``: the constrained rows' grammar masks (engine/structured), applied after biases,
-    min_tokens and penalties, so every later step only sees tokens the grammar allows.
+    min_tokens and penalties, so every later step only sees tokens the grammar allows: before
+    sampling for sampled rows, after the argmax for greedy ones whose argmax the grammar refuses.
     Greedy rows take the argmax; sampled rows are drawn natively when the extension is there,
     else through :func:`_distributions` and :func:`_draw`, with the same uniform numbers either way."""
     counts = [r.params.logprobs if r.params.logprobs is not None else -1 for r in requests]
@@ -323,13 +324,18 @@ def sample(logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBa
     if any(r.params.has_penalties for r in requests):
         logits = logits.clone(memory_format=torch.contiguous_format)
         _apply_penalties(logits, requests)
-    if masks is not None:
+    if masks is not None and masks.requests:
         if logits is raw_logits and any(c >= 0 for c in counts):
             logits = logits.clone()  # logprobs still report the unmasked distribution
         masks.apply(logits, raw_logits, requests)
 
     greedy = any(r.params.greedy for r in requests)
     tokens = greedy_tokens(logits) if greedy else torch.empty(len(requests), dtype=torch.long)
+    if masks is not None and greedy and (refused := masks.refused_greedy(requests, tokens.tolist())):
+        if logits is raw_logits and any(c >= 0 for c in counts):
+            logits = logits.clone()
+        masks.refused.apply(logits, raw_logits, requests)
+        tokens[refused] = greedy_tokens(logits[refused])
     sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if sampled_rows:
         sub = [requests[i] for i in sampled_rows]

@@ -1,14 +1,20 @@
-"""Each step's token masks for the constrained rows, built off the critical path.
+"""Each step's token masks for the constrained rows, built off the critical path or not at all.
 
-llguidance computes the constrained rows' masks (a bit per vocabulary token) on a worker thread,
-outside the GIL.  :class:`MaskPlanner` starts them as early as they are known: right after the
-previous step's tokens are committed, so they are built while the engine processes outputs and
-schedules (Python on one core, the forward's threads idle) and, if need be, during the next
-forward; a batch that a step's rows do not match is rebuilt before that step's forward.  The
-sampler then calls :meth:`MaskBatch.apply`, which waits for them and sets every disallowed logit to
--inf (natively where the extension is built).  Unconstrained rows are never touched, and a batch
-without constrained rows costs one list comprehension.  After sampling, :meth:`MaskPlanner.commit`
-advances each constrained row's matcher by the token it drew.
+Sampled (temperature > 0) constrained rows: llguidance computes their masks (a bit per vocabulary
+token) on a worker thread, outside the GIL.  :class:`MaskPlanner` starts them as early as they are
+known: right after the previous step's tokens are committed, so they are built while the engine
+processes outputs and schedules (Python on one core, the forward's threads idle) and, if need be,
+during the next forward; a batch that a step's rows do not match is rebuilt before that step's
+forward.  The sampler then calls :meth:`MaskBatch.apply`, which waits for them and sets every
+disallowed logit to -inf (natively where the extension is built).
+
+Greedy constrained rows are checked instead of masked (:meth:`MaskBatch.refused_greedy`): where the
+grammar accepts a row's argmax (a microsecond's check) it is also the argmax of the masked row, so
+the mask is built only for the rows whose argmax it refuses, which then take the argmax again.  A
+model that mostly follows its schema thus skips most masks, whose building competed with the
+forward for the cores.  Unconstrained rows are never touched, and a batch without constrained rows
+costs one list comprehension.  After sampling, :meth:`MaskPlanner.commit` advances each
+constrained row's matcher by the token it drew.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ class MaskBatch:
         self.bits = torch.zeros(len(requests), (vocab_size + 31) // 32, dtype=torch.int32)
         self.build_s = 0.0
         self.apply_s = 0.0
-        self._future: Future = _worker.submit(self._build, [r.matcher for r in requests])
+        self.refused: Optional[MaskBatch] = None  # the greedy rows refused_greedy masked
+        self._future: Optional[Future] = _worker.submit(self._build, [r.matcher for r in requests]) if requests else None
 
     def _build(self, matchers: list[llg.LLMatcher]) -> None:
         t0 = time.perf_counter()
@@ -70,7 +77,7 @@ class MaskBatch:
 
     @property
     def seconds(self) -> float:
-        return self.build_s + self.apply_s
+        return self.build_s + self.apply_s + (self.refused.seconds if self.refused is not None else 0.0)
 
     def covers(self, requests: Sequence["Request"]) -> bool:
         """Whether this batch holds the next-token mask of every one of ``requests``."""
@@ -79,7 +86,8 @@ class MaskBatch:
 
     def wait(self) -> None:
         """Block until the masks are built (the matchers may then change again)."""
-        self._future.result()
+        if self._future is not None:
+            self._future.result()
 
     def allowed(self) -> torch.Tensor:
         """bool ``[len(requests), vocab_size]``: the masks, once built."""
@@ -100,6 +108,8 @@ class MaskBatch:
         t0 = time.perf_counter()
         row_of = {id(r): i for i, r in enumerate(requests)}
         picked = [(m, row_of[id(r)]) for m, r in enumerate(self.requests) if id(r) in row_of]
+        if not picked:
+            return
         masks = torch.tensor([m for m, _ in picked], dtype=torch.long)
         rows = torch.tensor([i for _, i in picked], dtype=torch.long)
         bits = self.bits if len(picked) == len(self.requests) else self.bits[masks]
@@ -110,6 +120,18 @@ class MaskBatch:
             _mask_rows(base, bits[dead].contiguous(), torch.arange(base.shape[0]), self.vocab_size)
             logits[rows[dead]] = base
         self.apply_s = time.perf_counter() - t0
+
+    def refused_greedy(self, requests: Sequence["Request"], tokens: Sequence[int]) -> list[int]:
+        """The rows of ``requests`` (this step's sampling rows, ``tokens`` their argmax tokens) that
+        are greedy, constrained, and whose grammar refuses that token; their masks start building
+        (``self.refused``, to apply) before this returns."""
+        rows = [
+            i for i, r in enumerate(requests)
+            if r.matcher is not None and r.params.greedy and r.matcher.validate_tokens([int(tokens[i])]) != 1
+        ]
+        if rows:
+            self.refused = MaskBatch([requests[i] for i in rows], self.vocab_size)
+        return rows
 
 
 def _mask_rows(logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -150,15 +172,16 @@ class MaskPlanner:
         self._ahead: Optional[MaskBatch] = None
 
     def for_step(self, requests: Sequence["Request"]) -> Optional[MaskBatch]:
-        """The masks of the constrained requests among ``requests`` (this step's sampling
-        requests); None when none is constrained."""
+        """The masks of the sampled constrained requests among ``requests`` (this step's sampling
+        requests; the greedy ones are checked after their argmax, MaskBatch.refused_greedy); None
+        when none is constrained."""
         ahead, self._ahead = self._ahead, None
-        constrained = [r for r in requests if r.matcher is not None]
-        if not constrained:
+        if not any(r.matcher is not None for r in requests):
             return None
-        if ahead is not None and ahead.covers(constrained):
+        sampled = _sampled_constrained(requests)
+        if ahead is not None and ahead.covers(sampled):
             return ahead
-        return MaskBatch(constrained, self.vocab_size)
+        return MaskBatch(sampled, self.vocab_size)
 
     def commit(self, requests: Sequence["Request"], tokens: Sequence[int]) -> None:
         """Advance each constrained request's matcher by the token it drew, then start the masks
@@ -169,5 +192,10 @@ class MaskPlanner:
             if m is not None and not m.consume_token(token):
                 # Only reachable if a row had no allowed token at all; the grammar state is lost.
                 logger.warning("request %s: token %d rejected by its grammar: %s", req.request_id, token, m.get_error())
-        constrained = [r for r in requests if r.matcher is not None]
-        self._ahead = MaskBatch(constrained, self.vocab_size) if constrained else None
+        sampled = _sampled_constrained(requests)
+        self._ahead = MaskBatch(sampled, self.vocab_size) if sampled else None
+
+
+def _sampled_constrained(requests: Sequence["Request"]) -> list["Request"]:
+    """The constrained requests that draw their token (temperature > 0): the ones masked ahead."""
+    return [r for r in requests if r.matcher is not None and not r.params.greedy]

@@ -163,6 +163,57 @@ def test_constrained_row_takes_one_lm_head_pass_with_its_neighbours(engine: LLME
     assert logits.count(3) >= 2 and set(logits) == {3} and set(fused) == {2}, (fused, logits)
 
 
+def test_greedy_rows_are_checked_not_masked(engine: LLMEngine) -> None:
+    """A greedy constrained row gets no mask ahead of its step; after the argmax, a token its grammar
+    accepts stands without one, and a refused token makes the mask of that row alone."""
+    spec = StructuredSpec("regex", "[0-9]+", "x")
+    greedy = engine.add_request("g", PROMPT, SamplingParams(max_tokens=4, temperature=0.0, structured=spec))[0]
+    sampled = engine.add_request("s", PROMPT, SamplingParams(max_tokens=4, temperature=1.0, structured=spec))[0]
+    batch = MaskPlanner(engine.model_config.vocab_size).for_step([greedy, sampled])
+    assert batch.requests == [sampled]
+    (digit,) = engine.tokenizer.encode("7", False)
+    letter = engine.tokenizer.encode("hello", False)[0]
+    assert batch.refused_greedy([greedy, sampled], [digit, letter]) == [] and batch.refused is None
+    assert batch.refused_greedy([sampled, greedy], [letter, letter]) == [1]
+    logits = torch.randn(2, engine.model_config.vocab_size)
+    before = logits.clone()
+    batch.refused.apply(logits, before, [sampled, greedy])
+    assert torch.equal(logits[0], before[0])
+    allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert digit in allowed and all(engine.tokenizer.decode([t]).isdigit() for t in allowed)
+    assert batch.seconds >= batch.refused.seconds > 0
+    engine.abort_request("g")
+    engine.abort_request("s")
+
+
+def test_greedy_check_gives_the_tokens_of_masking_every_step(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checking a greedy row's argmax against its grammar is exact: the same outputs as building and
+    applying its mask at every step (a JSON schema and a regex whose first tokens the model's own
+    argmax breaks)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["x", "yz"]}}},
+              "required": ["n", "tags"], "additionalProperties": False}
+    requests = {
+        "j": SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredSpec.json_schema(schema, "x")),
+        "r": SamplingParams(max_tokens=12, temperature=0.0, structured=StructuredSpec("regex", "[0-9]{2}-[a-z]+", "x")),
+        "p": PLAIN,
+    }
+    checked = _run(engine, requests)
+    refused: list[int] = []
+    real = MaskBatch.refused_greedy
+
+    def mask_every_greedy_row(self: MaskBatch, reqs, tokens) -> list[int]:  # noqa: ANN001
+        rows = real(self, reqs, tokens)
+        refused.append(len(rows))
+        every = [i for i, r in enumerate(reqs) if r.matcher is not None and r.params.greedy]
+        self.refused = MaskBatch([reqs[i] for i in every], self.vocab_size) if every else None
+        return every
+
+    monkeypatch.setattr(MaskBatch, "refused_greedy", mask_every_greedy_row)
+    assert _run(engine, requests) == checked
+    assert 0 < sum(refused) < len(refused) * 2  # some argmaxes were refused, most were not
+    json.loads(checked["j"][0])
+
+
 def _finish(engine: LLMEngine, rid: str, params: SamplingParams) -> tuple[str, str, object]:
     """(text, finish_reason, stop_reason) of one request run alone."""
     engine.add_request(rid, PROMPT, params)
