@@ -108,6 +108,11 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def truncates(self) -> bool:
+        """Whether top-k, top-p or min-p cut the distribution a token is drawn from."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 

@@ -307,14 +307,35 @@ def fused_argmax(requests: list[Request]) -> bool:
     return bool(requests) and all(plain_greedy(r) for r in requests)
 
 
+def _pick(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Each row's token: the argmax for greedy rows, a draw for the others (natively when the
+    extension is there, else through :func:`_distributions` and :func:`_draw`, with the same uniform
+    numbers either way).  logits float32 [len(requests), vocab]; returns int64 [len(requests)]."""
+    greedy = any(r.params.greedy for r in requests)
+    tokens = greedy_tokens(logits) if greedy else torch.empty(len(requests), dtype=torch.long)
+    sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if sampled_rows:
+        sub = [requests[i] for i in sampled_rows]
+        sub_logits = logits if len(sampled_rows) == len(requests) else logits[sampled_rows]
+        native = _native_op("sample_rows") if sub_logits.dtype == torch.float32 else None
+        if native is not None:
+            tokens[sampled_rows] = native(sub_logits.contiguous(), *_row_params(sub, sub_logits.shape[1]), _uniforms(sub))[0]
+        else:
+            for rows, ids, probs in _distributions(sub_logits, sub):
+                drawn = _draw(probs, [sub[i] for i in rows])
+                if ids is not None:
+                    drawn = ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
+                tokens[[sampled_rows[i] for i in rows]] = drawn
+    return tokens
+
+
 def sample(logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBatch] = None) -> SamplerOutput:
     """logits: float32 [len(requests), vocab], one row per request that samples this step.
 
     ``masks``: the constrained rows' grammar masks (engine/structured), applied after biases,
     min_tokens and penalties, so every later step only sees tokens the grammar allows: before
-    sampling for sampled rows, after the argmax for greedy ones whose argmax the grammar refuses.
-    Greedy rows take the argmax; sampled rows are drawn natively when the extension is there,
-    else through :func:`_distributions` and :func:`_draw`, with the same uniform numbers either way."""
+    sampling for rows drawn from a truncated distribution, else only for the rows whose unmasked
+    token the grammar refuses, which then pick again (:func:`_pick`) from their masked logits."""
     counts = [r.params.logprobs if r.params.logprobs is not None else -1 for r in requests]
     raw_logits = logits  # what logprobs report: the model's distribution, before biases and penalties
 
@@ -329,25 +350,11 @@ def sample(logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBa
             logits = logits.clone()  # logprobs still report the unmasked distribution
         masks.apply(logits, raw_logits, requests)
 
-    greedy = any(r.params.greedy for r in requests)
-    tokens = greedy_tokens(logits) if greedy else torch.empty(len(requests), dtype=torch.long)
-    if masks is not None and greedy and (refused := masks.refused_greedy(requests, tokens.tolist())):
+    tokens = _pick(logits, requests)
+    if masks is not None and (refused := masks.refused(requests, tokens.tolist())):
         if logits is raw_logits and any(c >= 0 for c in counts):
             logits = logits.clone()
-        masks.refused.apply(logits, raw_logits, requests)
-        tokens[refused] = greedy_tokens(logits[refused])
-    sampled_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-    if sampled_rows:
-        sub = [requests[i] for i in sampled_rows]
-        sub_logits = logits if len(sampled_rows) == len(requests) else logits[sampled_rows]
-        native = _native_op("sample_rows") if sub_logits.dtype == torch.float32 else None
-        if native is not None:
-            tokens[sampled_rows] = native(sub_logits.contiguous(), *_row_params(sub, sub_logits.shape[1]), _uniforms(sub))[0]
-        else:
-            for rows, ids, probs in _distributions(sub_logits, sub):
-                drawn = _draw(probs, [sub[i] for i in rows])
-                if ids is not None:
-                    drawn = ids.gather(1, drawn.unsqueeze(1)).squeeze(1)
-                tokens[[sampled_rows[i] for i in rows]] = drawn
+        masks.late.apply(logits, raw_logits, requests)
+        tokens[refused] = _pick(logits[refused], [requests[i] for i in refused])
 
     return SamplerOutput(tokens.tolist(), top_logprobs(raw_logits, tokens, counts))

@@ -1,7 +1,17 @@
 """Each step's token masks for the constrained rows, built off the critical path or not at all.
 
-Sampled (temperature > 0) constrained rows: llguidance computes their masks (a bit per vocabulary
-token) on a worker thread, outside the GIL.  :class:`MaskPlanner` starts them as early as they are
+Most constrained rows are checked instead of masked (:meth:`MaskBatch.refused`): a greedy row's
+argmax, or a token drawn from an untruncated distribution (no top-k, top-p or min-p), stands where
+the grammar accepts it (a microsecond's check), and only the rows whose token it refuses get a mask
+and take the argmax again or draw again from the masked distribution.  That is exact: the accepted
+argmax is also the masked row's (ties too: torch's first maximum is allowed, so it is the first
+allowed one), and drawing from p until a token is allowed draws from p restricted to the allowed set.
+A model that mostly follows its schema thus skips most masks, whose building competed with the
+forward for the cores.
+
+Rows drawn from a truncated distribution are masked ahead, since truncating before the mask would
+cut a different set: llguidance computes their masks (a bit per vocabulary token) on a worker
+thread, outside the GIL.  :class:`MaskPlanner` starts them as early as they are
 known: right after the previous step's tokens are committed, so they are built while the engine
 processes outputs and schedules (Python on one core, the forward's threads idle) and, if need be,
 during the next forward; a batch that a step's rows do not match is rebuilt before that step's
@@ -66,7 +76,7 @@ class MaskBatch:
         self.bits = torch.zeros(len(requests), (vocab_size + 31) // 32, dtype=torch.int32)
         self.build_s = 0.0
         self.apply_s = 0.0
-        self.refused: Optional[MaskBatch] = None  # the greedy rows refused_greedy masked
+        self.late: Optional[MaskBatch] = None  # the masks of the rows refused() refused
         self._future: Optional[Future] = _worker.submit(self._build, [r.matcher for r in requests]) if requests else None
 
     def _build(self, matchers: list[llg.LLMatcher]) -> None:
@@ -77,7 +87,7 @@ class MaskBatch:
 
     @property
     def seconds(self) -> float:
-        return self.build_s + self.apply_s + (self.refused.seconds if self.refused is not None else 0.0)
+        return self.build_s + self.apply_s + (self.late.seconds if self.late is not None else 0.0)
 
     def covers(self, requests: Sequence["Request"]) -> bool:
         """Whether this batch holds the next-token mask of every one of ``requests``."""
@@ -121,17 +131,20 @@ class MaskBatch:
             logits[rows[dead]] = base
         self.apply_s = time.perf_counter() - t0
 
-    def refused_greedy(self, requests: Sequence["Request"], tokens: Sequence[int]) -> list[int]:
-        """The rows of ``requests`` (this step's sampling rows, ``tokens`` their argmax tokens) that
-        are greedy, constrained, and whose grammar refuses that token; their masks start building
-        (``self.refused``, to apply) before this returns."""
-        rows = [
-            i for i, r in enumerate(requests)
-            if r.matcher is not None and r.params.greedy and r.matcher.validate_tokens([int(tokens[i])]) != 1
-        ]
+    def refused(self, requests: Sequence["Request"], tokens: Sequence[int]) -> list[int]:
+        """The rows of ``requests`` (this step's sampling rows, ``tokens`` the tokens they took
+        without a mask) that are checked after the fact (:func:`checked_after`) and whose grammar
+        refuses that token; their masks are started (``self.late``, to apply) before this returns."""
+        rows = [i for i, r in enumerate(requests) if checked_after(r) and r.matcher.validate_tokens([int(tokens[i])]) != 1]
         if rows:
-            self.refused = MaskBatch([requests[i] for i in rows], self.vocab_size)
+            self.late = MaskBatch([requests[i] for i in rows], self.vocab_size)
         return rows
+
+
+def checked_after(req: "Request") -> bool:
+    """Whether this constrained request's token is taken without a mask, then checked (greedy, or
+    drawn from an untruncated distribution); else its mask is built ahead of sampling."""
+    return req.matcher is not None and (req.params.greedy or not req.params.truncates)
 
 
 def _mask_rows(logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -172,16 +185,16 @@ class MaskPlanner:
         self._ahead: Optional[MaskBatch] = None
 
     def for_step(self, requests: Sequence["Request"]) -> Optional[MaskBatch]:
-        """The masks of the sampled constrained requests among ``requests`` (this step's sampling
-        requests; the greedy ones are checked after their argmax, MaskBatch.refused_greedy); None
+        """The masks of the constrained requests among ``requests`` (this step's sampling requests)
+        that are masked ahead (the others are checked after sampling, MaskBatch.refused); None
         when none is constrained."""
         ahead, self._ahead = self._ahead, None
         if not any(r.matcher is not None for r in requests):
             return None
-        sampled = _sampled_constrained(requests)
-        if ahead is not None and ahead.covers(sampled):
+        rows = _masked_ahead(requests)
+        if ahead is not None and ahead.covers(rows):
             return ahead
-        return MaskBatch(sampled, self.vocab_size)
+        return MaskBatch(rows, self.vocab_size)
 
     def commit(self, requests: Sequence["Request"], tokens: Sequence[int]) -> None:
         """Advance each constrained request's matcher by the token it drew, then start the masks
@@ -192,10 +205,10 @@ class MaskPlanner:
             if m is not None and not m.consume_token(token):
                 # Only reachable if a row had no allowed token at all; the grammar state is lost.
                 logger.warning("request %s: token %d rejected by its grammar: %s", req.request_id, token, m.get_error())
-        sampled = _sampled_constrained(requests)
-        self._ahead = MaskBatch(sampled, self.vocab_size) if sampled else None
+        rows = _masked_ahead(requests)
+        self._ahead = MaskBatch(rows, self.vocab_size) if rows else None
 
 
-def _sampled_constrained(requests: Sequence["Request"]) -> list["Request"]:
-    """The constrained requests that draw their token (temperature > 0): the ones masked ahead."""
-    return [r for r in requests if r.matcher is not None and not r.params.greedy]
+def _masked_ahead(requests: Sequence["Request"]) -> list["Request"]:
+    """The constrained requests whose masks are built before sampling (not :func:`checked_after`)."""
+    return [r for r in requests if r.matcher is not None and not checked_after(r)]

@@ -50,7 +50,7 @@ def _run(engine: LLMEngine, requests: dict[str, SamplingParams]) -> dict[str, tu
 
 def test_masks_only_touch_constrained_rows(engine: LLMEngine) -> None:
     spec = StructuredSpec("regex", "[0-9]+", "x")
-    reqs = engine.add_request("m", PROMPT, SamplingParams(max_tokens=4, structured=spec))
+    reqs = engine.add_request("m", PROMPT, SamplingParams(max_tokens=4, top_p=0.9, structured=spec))  # masked ahead
     free = engine.add_request("f", PROMPT, SamplingParams(max_tokens=4, temperature=0.0))
     assert not plain_greedy(reqs[0]) and plain_greedy(free[0])  # a constrained greedy row skips the fused argmax
     assert fused_argmax([free[0]]) and not fused_argmax([free[0], reqs[0]])  # ... and so does its step
@@ -110,8 +110,8 @@ def test_masks_are_started_at_commit_and_reused_by_the_next_step(engine: LLMEngi
     """After a step commits its tokens, the next step's masks are already being built for the same
     rows and equal masks built afresh; a row that joins makes the step build its own batch."""
     spec = StructuredSpec("regex", "[0-9]{3}-[a-z]{3}", "x")
-    reqs = engine.add_request("p", PROMPT, SamplingParams(max_tokens=8, structured=spec))
-    later = engine.add_request("q", PROMPT, SamplingParams(max_tokens=8, structured=spec))
+    reqs = engine.add_request("p", PROMPT, SamplingParams(max_tokens=8, top_p=0.9, structured=spec))  # masked ahead
+    later = engine.add_request("q", PROMPT, SamplingParams(max_tokens=8, top_p=0.9, structured=spec))
     planner = MaskPlanner(engine.model_config.vocab_size)
     first = planner.for_step(reqs)
     first.wait()
@@ -163,27 +163,47 @@ def test_constrained_row_takes_one_lm_head_pass_with_its_neighbours(engine: LLME
     assert logits.count(3) >= 2 and set(logits) == {3} and set(fused) == {2}, (fused, logits)
 
 
-def test_greedy_rows_are_checked_not_masked(engine: LLMEngine) -> None:
-    """A greedy constrained row gets no mask ahead of its step; after the argmax, a token its grammar
-    accepts stands without one, and a refused token makes the mask of that row alone."""
+def test_rows_are_checked_not_masked_unless_truncated(engine: LLMEngine) -> None:
+    """A greedy constrained row, or one drawn from an untruncated distribution, gets no mask ahead
+    of its step; after sampling, a token its grammar accepts stands without one, and a refused token
+    makes the mask of that row alone.  A row drawn under top-p is masked ahead."""
     spec = StructuredSpec("regex", "[0-9]+", "x")
     greedy = engine.add_request("g", PROMPT, SamplingParams(max_tokens=4, temperature=0.0, structured=spec))[0]
-    sampled = engine.add_request("s", PROMPT, SamplingParams(max_tokens=4, temperature=1.0, structured=spec))[0]
-    batch = MaskPlanner(engine.model_config.vocab_size).for_step([greedy, sampled])
-    assert batch.requests == [sampled]
+    drawn = engine.add_request("d", PROMPT, SamplingParams(max_tokens=4, temperature=0.7, structured=spec))[0]
+    top_p = engine.add_request("t", PROMPT, SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, structured=spec))[0]
+    batch = MaskPlanner(engine.model_config.vocab_size).for_step([greedy, drawn, top_p])
+    assert batch.requests == [top_p]
     (digit,) = engine.tokenizer.encode("7", False)
     letter = engine.tokenizer.encode("hello", False)[0]
-    assert batch.refused_greedy([greedy, sampled], [digit, letter]) == [] and batch.refused is None
-    assert batch.refused_greedy([sampled, greedy], [letter, letter]) == [1]
+    assert batch.refused([greedy, drawn, top_p], [digit, digit, letter]) == [] and batch.late is None
+    assert batch.refused([top_p, greedy, drawn], [letter, letter, digit]) == [1]
     logits = torch.randn(2, engine.model_config.vocab_size)
     before = logits.clone()
-    batch.refused.apply(logits, before, [sampled, greedy])
+    batch.late.apply(logits, before, [top_p, greedy])
     assert torch.equal(logits[0], before[0])
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert digit in allowed and all(engine.tokenizer.decode([t]).isdigit() for t in allowed)
-    assert batch.seconds >= batch.refused.seconds > 0
-    engine.abort_request("g")
-    engine.abort_request("s")
+    assert batch.seconds >= batch.late.seconds > 0
+    for rid in "gdt":
+        engine.abort_request(rid)
+
+
+def test_a_checked_draw_follows_the_masked_distribution(engine: LLMEngine) -> None:
+    """Drawing without the mask and drawing again from the masked logits when the grammar refuses
+    the token draws from the masked distribution: logits giving "a" 0.2, "b" 0.1 and "c" 0.7 under
+    a grammar that allows only "a" or "b" give "a" 2/3 of the time."""
+    from engine.sampler import sample
+
+    spec = StructuredSpec("regex", "[ab]", "x")
+    req = engine.add_request("ab", PROMPT, SamplingParams(max_tokens=1, temperature=1.0, seed=3, structured=spec))[0]
+    ids = [engine.tokenizer.encode(c, False)[0] for c in "abc"]
+    planner = MaskPlanner(engine.model_config.vocab_size)
+    logits = torch.full((1, engine.model_config.vocab_size), -float("inf"))
+    logits[0, ids] = torch.tensor([0.2, 0.1, 0.7]).log()
+    drawn = [sample(logits.clone(), [req], planner.for_step([req])).token_ids[0] for _ in range(1500)]
+    assert set(drawn) <= set(ids[:2])
+    assert abs(drawn.count(ids[0]) / len(drawn) - 2 / 3) < 0.05  # 4 standard deviations
+    engine.abort_request("ab")
 
 
 def test_greedy_check_gives_the_tokens_of_masking_every_step(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,16 +219,16 @@ def test_greedy_check_gives_the_tokens_of_masking_every_step(engine: LLMEngine, 
     }
     checked = _run(engine, requests)
     refused: list[int] = []
-    real = MaskBatch.refused_greedy
+    real = MaskBatch.refused
 
     def mask_every_greedy_row(self: MaskBatch, reqs, tokens) -> list[int]:  # noqa: ANN001
         rows = real(self, reqs, tokens)
         refused.append(len(rows))
         every = [i for i, r in enumerate(reqs) if r.matcher is not None and r.params.greedy]
-        self.refused = MaskBatch([reqs[i] for i in every], self.vocab_size) if every else None
+        self.late = MaskBatch([reqs[i] for i in every], self.vocab_size) if every else None
         return every
 
-    monkeypatch.setattr(MaskBatch, "refused_greedy", mask_every_greedy_row)
+    monkeypatch.setattr(MaskBatch, "refused", mask_every_greedy_row)
     assert _run(engine, requests) == checked
     assert 0 < sum(refused) < len(refused) * 2  # some argmaxes were refused, most were not
     json.loads(checked["j"][0])
