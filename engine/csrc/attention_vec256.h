@@ -69,51 +69,36 @@ static inline void row_to_f32(const uint8_t* src, bool src_bf16, KvKind kind, fl
   for (; d < Dp; d += 8) _mm256_store_ps(dst + d, _mm256_setzero_ps());
 }
 
+// C[r][0, 16) = (alpha ? C[r][0, 16) * alpha[r] : 0) + sum over i < n of A[r][i] * B[i][0, 16), for RB
+// rows (row strides lda, ldb, ldc): K . q (A the queries, B the transposed keys, zero start) and
+// P . V (A the probabilities, B the values, the running output rescaled) are both this product.
 template <int RB>
-static inline void qk_block(const float* q, int qs, const float* kt, int D, float* S) {
+static inline void rows_x_panel16(const float* A, int lda, const float* B, int ldb, int n, float* C, int ldc, const float* alpha) {
   __m256 acc[RB][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m256 k0 = _mm256_load_ps(kt + d * KT);
-    const __m256 k1 = _mm256_load_ps(kt + d * KT + 8);
+  for (int r = 0; r < RB; ++r) {
+    if (alpha == nullptr) {
+      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    } else {
+      const __m256 a = _mm256_set1_ps(alpha[r]);
+      acc[r][0] = _mm256_mul_ps(_mm256_load_ps(C + r * ldc), a);
+      acc[r][1] = _mm256_mul_ps(_mm256_load_ps(C + r * ldc + 8), a);
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    const __m256 b0 = _mm256_load_ps(B + i * ldb);
+    const __m256 b1 = _mm256_load_ps(B + i * ldb + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      const __m256 qb = _mm256_broadcast_ss(q + r * qs + d);
-      acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+      const __m256 ab = _mm256_broadcast_ss(A + r * lda + i);
+      acc[r][0] = _mm256_fmadd_ps(ab, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(ab, b1, acc[r][1]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) {
-    _mm256_store_ps(S + r * KT, acc[r][0]);
-    _mm256_store_ps(S + r * KT + 8, acc[r][1]);
-  }
-}
-
-template <int RB>
-static inline void pv_block(const float* P, const float* v, int Dp, int nkeys, float* O, const float* alpha) {
-  __m256 acc[RB][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
-    const __m256 a = _mm256_set1_ps(alpha[r]);
-    acc[r][0] = _mm256_mul_ps(_mm256_load_ps(O + r * Dp), a);
-    acc[r][1] = _mm256_mul_ps(_mm256_load_ps(O + r * Dp + 8), a);
-  }
-  for (int k = 0; k < nkeys; ++k) {
-    const __m256 v0 = _mm256_load_ps(v + k * Dp);
-    const __m256 v1 = _mm256_load_ps(v + k * Dp + 8);
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
-      const __m256 pb = _mm256_broadcast_ss(P + r * KT + k);
-      acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
-    _mm256_store_ps(O + r * Dp, acc[r][0]);
-    _mm256_store_ps(O + r * Dp + 8, acc[r][1]);
+    _mm256_store_ps(C + r * ldc, acc[r][0]);
+    _mm256_store_ps(C + r * ldc + 8, acc[r][1]);
   }
 }
 
@@ -189,10 +174,11 @@ struct Ops {
         continue;
       }
       int r0 = 0;
-      for (; r0 + 6 <= R; r0 += 6) qk_block<6>(q + r0 * qs, qs, kt + h * 16, D, s.S + r0 * KT + h * 16);
+      for (; r0 + 6 <= R; r0 += 6) rows_x_panel16<6>(q + r0 * qs, qs, kt + h * 16, KT, D, s.S + r0 * KT + h * 16, KT, nullptr);
       float* S = s.S + r0 * KT + h * 16;
       const float* qr = q + r0 * qs;
-      if (r0 < R) with_rows_upto<5>(R - r0, [&](auto rows) { qk_block<decltype(rows)::value>(qr, qs, kt + h * 16, D, S); });
+      if (r0 < R)
+        with_rows_upto<5>(R - r0, [&](auto rows) { rows_x_panel16<decltype(rows)::value>(qr, qs, kt + h * 16, KT, D, S, KT, nullptr); });
     }
   }
 
@@ -242,7 +228,7 @@ struct Ops {
         const float* Pr = P + r0 * KT;
         float* Or = s.O + static_cast<int64_t>(r0) * Dp + d0;
         const float* al = s.alpha + r0;
-        with_rows_upto<6>(R - r0, [&](auto rows) { pv_block<decltype(rows)::value>(Pr, v + d0, Dp, n, Or, al); });
+        with_rows_upto<6>(R - r0, [&](auto rows) { rows_x_panel16<decltype(rows)::value>(Pr, KT, v + d0, Dp, n, Or, Dp, al); });
       }
     }
   }
