@@ -225,6 +225,23 @@ static inline void pv_block_bf16(const int32_t* P, const int32_t* v, int Dp, int
   }
 }
 
+// P . V over tiles of up to 6 query rows and 64, 32 or 16 output columns (NV = 4, 2, 1 vectors):
+// tile(r0, rows, d0, std::integral_constant<int, NV>) multiplies one; Bf16Ops and F32Ops differ
+// only in the tile's kernel.
+template <class Tile>
+static inline void pv_tiles(int R, int D, const Tile& tile) {
+  for (int r0 = 0; r0 < R; r0 += 6) {
+    const int rb = std::min(6, R - r0);
+    int d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) tile(r0, rb, d0, std::integral_constant<int, 4>{});
+    if (d0 + 32 <= D) {
+      tile(r0, rb, d0, std::integral_constant<int, 2>{});
+      d0 += 32;
+    }
+    if (d0 < D) tile(r0, rb, d0, std::integral_constant<int, 1>{});
+  }
+}
+
 template <int NV>
 static inline void pv_rows_bf16(const int32_t* P, const int32_t* v, int Dp, int npairs, float* O, const float* alpha, int rb) {
   with_rows_upto<6>(rb, [&](auto rows) { pv_block_bf16<decltype(rows)::value, NV>(P, v, Dp, npairs, O, alpha); });
@@ -330,23 +347,12 @@ struct Bf16Ops {
   }
 
   __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
-    const int Dp = p.Dp, D = p.D;
-    const int npairs = (n + 1) / 2;
+    const int Dp = p.Dp, npairs = (n + 1) / 2;
     const int32_t* P = static_cast<const int32_t*>(s.P);
     const int32_t* v = static_cast<const int32_t*>(s.v);
-    for (int r0 = 0; r0 < R; r0 += 6) {
-      const int rb = std::min(6, R - r0);
-      const int32_t* Pr = P + r0 * (KT / 2);
-      float* Or = s.O + static_cast<int64_t>(r0) * Dp;
-      const float* al = s.alpha + r0;
-      int d0 = 0;
-      for (; d0 + 64 <= D; d0 += 64) pv_rows_bf16<4>(Pr, v + d0, Dp, npairs, Or + d0, al, rb);
-      if (d0 + 32 <= D) {
-        pv_rows_bf16<2>(Pr, v + d0, Dp, npairs, Or + d0, al, rb);
-        d0 += 32;
-      }
-      if (d0 < D) pv_rows_bf16<1>(Pr, v + d0, Dp, npairs, Or + d0, al, rb);
-    }
+    pv_tiles(R, p.D, [&](int r0, int rb, int d0, auto nv) {
+      pv_rows_bf16<decltype(nv)::value>(P + r0 * (KT / 2), v + d0, Dp, npairs, s.O + static_cast<int64_t>(r0) * Dp + d0, s.alpha + r0, rb);
+    });
   }
 
   __attribute__((noinline)) static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
@@ -745,22 +751,12 @@ struct F32Ops {
   }
 
   __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
-    const int Dp = p.Dp, D = p.D;
+    const int Dp = p.Dp;
     const float* P = static_cast<const float*>(s.P);
     const float* v = static_cast<const float*>(s.v);
-    for (int r0 = 0; r0 < R; r0 += 6) {
-      const int rb = std::min(6, R - r0);
-      const float* Pr = P + r0 * KT;
-      float* Or = s.O + static_cast<int64_t>(r0) * Dp;
-      const float* al = s.alpha + r0;
-      int d0 = 0;
-      for (; d0 + 64 <= D; d0 += 64) pv_rows_f32<4>(Pr, v + d0, Dp, n, Or + d0, al, rb);
-      if (d0 + 32 <= D) {
-        pv_rows_f32<2>(Pr, v + d0, Dp, n, Or + d0, al, rb);
-        d0 += 32;
-      }
-      if (d0 < D) pv_rows_f32<1>(Pr, v + d0, Dp, n, Or + d0, al, rb);
-    }
+    pv_tiles(R, p.D, [&](int r0, int rb, int d0, auto nv) {
+      pv_rows_f32<decltype(nv)::value>(P + r0 * KT, v + d0, Dp, n, s.O + static_cast<int64_t>(r0) * Dp + d0, s.alpha + r0, rb);
+    });
   }
 
   __attribute__((noinline)) static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
