@@ -671,7 +671,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
 }
 
 // Groups [g0, g1): one activation row takes them in pairs (a lone last group on its own); more
-// rows take one group at a time, in tiles of 4 rows.
+// rows take one group at a time, in tiles of rows.
 template <int QT, int DIGITS>
 CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_range_qt_avx512(const Problem& p, int64_t g0, int64_t g1) {
   if (p.m == 1) {
@@ -680,11 +680,17 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_range_qt_avx512(const Probl
     if (g < g1) group_tile_avx512<QT, 1, 1, DIGITS>(p, g, 0, 0, 1);
     return;
   }
-  constexpr int kTile = 4;
-  const int passes = (p.m + kTile - 1) / kTile;
+  // Tiles of 8 rows with 8-bit activations (each weight chunk unpacked once for 8 rows), of 4 with
+  // 15-bit ones (two digit planes: the sums of more rows no longer fit the registers).
+  constexpr int kTile = DIGITS == 1 ? 8 : 4;
+  const int passes = p.m / 4 + (p.m % 4 != 0) - (DIGITS == 1 ? p.m / 8 : 0);
   for (int64_t g = g0; g < g1; ++g) {
     int t = 0, pass = 0;
     for (; t + kTile <= p.m; t += kTile, ++pass) group_tile_avx512<QT, 1, kTile, DIGITS>(p, g, t, pass, passes);
+    if (kTile > 4 && p.m - t >= 4) {
+      group_tile_avx512<QT, 1, 4, DIGITS>(p, g, t, pass++, passes);
+      t += 4;
+    }
     switch (p.m - t) {
       case 3: group_tile_avx512<QT, 1, 3, DIGITS>(p, g, t, pass, passes); break;
       case 2: group_tile_avx512<QT, 1, 2, DIGITS>(p, g, t, pass, passes); break;

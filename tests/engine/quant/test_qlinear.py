@@ -120,13 +120,14 @@ def test_matmul_random_blocks(isa, bits, qtype, m, dtype):
 @pytest.mark.parametrize("n", [56, 200])  # an even group count with a partial last group; an odd one
 def test_a_row_gets_the_same_bits_in_any_batch(isa, bits, qtype, n):
     """A request's logits must not depend on what it is batched with: the kernel tiles one row
-    (groups in pairs) differently from several (rows in tiles of 4), in the same arithmetic."""
+    (groups in pairs) differently from several (rows in tiles of 8, then 4, then the rest; of 4 with
+    15-bit activations), in the same arithmetic."""
     k = 320
     raw = random_blocks(qtype, n, k, seed=n)
     pw = qweights.PackedWeight(qblocks.pack_blocks(raw, qtype, (n, k)), qtype, (n, k), isa, bits)
-    x = torch.randn(9, k, generator=torch.Generator().manual_seed(5))  # float32 out: every bit shows
-    alone = torch.cat([pw(x[i : i + 1]) for i in range(9)])
-    for m in (2, 3, 4, 5, 9):
+    x = torch.randn(15, k, generator=torch.Generator().manual_seed(5))  # float32 out: every bit shows
+    alone = torch.cat([pw(x[i : i + 1]) for i in range(15)])
+    for m in (2, 3, 4, 5, 8, 9, 12, 15):
         assert torch.equal(pw(x[:m]), alone[:m]), m
 
 
