@@ -39,8 +39,10 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 _NAME = "cpuserve_C"
-_CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-Wno-unused-function"]
-_LDFLAGS = ["-fopenmp"]
+# Tuples, handed to torch as fresh lists: its JIT loader appends torch's own -L/-l flags to the
+# ldflags list it is given, which would change the fingerprint between a build and its record.
+_CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-Wno-unused-function")
+_LDFLAGS = ("-fopenmp",)
 _MANIFEST = "prebuilt.json"
 
 
@@ -185,8 +187,8 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
                 name=_NAME,
                 sources=sources,
                 build_directory=build_dir(),
-                extra_cflags=_CFLAGS,
-                extra_ldflags=_LDFLAGS,
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
                 extra_include_paths=[_CSRC],
                 verbose=verbose,
             )

@@ -92,3 +92,19 @@ def test_fingerprint_changes_with_any_kernel_source(tmp_path: Path, monkeypatch:
     header = sorted(csrc.glob("*.h"))[0]  # a header change alone must invalidate the build too
     header.write_text(header.read_text() + "\n// changed\n")
     assert native.source_fingerprint() != first
+
+
+def test_a_build_records_what_a_later_process_loads(tmp_path: Path) -> None:
+    """``python -m engine.native`` (make install, the Dockerfile's build stage) must write a record
+    that the next process trusts.  torch's JIT loader appends its own flags to the ldflags list it
+    is handed; a record of the lengthened list matched no fresh process, so every start went back
+    through the JIT loader, and a compiler-free image ran the portable kernels."""
+    build = tmp_path / "native"
+    shutil.copytree(os.path.dirname(built_library()), build)  # objects and ninja state: nothing to recompile
+    (build / "prebuilt.json").unlink(missing_ok=True)
+    env = {**os.environ, "CPUSERVE_BUILD_DIR": str(build)}
+    env.pop("CPUSERVE_NATIVE", None)
+    out = subprocess.run([sys.executable, "-m", "engine.native"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0 and "built" in out.stdout, out.stderr
+    assert run_probe(build, tmp_path) == "LOADED"
