@@ -18,12 +18,8 @@ during the next forward; a batch that a step's rows do not match is rebuilt befo
 forward.  The sampler then calls :meth:`MaskBatch.apply`, which waits for them and sets every
 disallowed logit to -inf (natively where the extension is built).
 
-Greedy constrained rows are checked instead of masked (:meth:`MaskBatch.refused_greedy`): where the
-grammar accepts a row's argmax (a microsecond's check) it is also the argmax of the masked row, so
-the mask is built only for the rows whose argmax it refuses, which then take the argmax again.  A
-model that mostly follows its schema thus skips most masks, whose building competed with the
-forward for the cores.  Unconstrained rows are never touched, and a batch without constrained rows
-costs one list comprehension.  After sampling, :meth:`MaskPlanner.commit` advances each
+Unconstrained rows are never touched, and a batch without constrained rows costs one list
+comprehension.  After sampling, :meth:`MaskPlanner.commit` advances each
 constrained row's matcher by the token it drew.
 """
 
