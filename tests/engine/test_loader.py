@@ -46,7 +46,7 @@ def hf_gguf_state_dict() -> dict[str, torch.Tensor]:
     """transformers' own GGUF load of the default model, the reference for every dense weight.
 
     Two speed-ups leave transformers' conversion code itself untouched: it opens the file several
-    times with gguf.GGUFReader, slow on np.memmap (see engine.loader.gguf._reader_class), so it gets
+    times with gguf.GGUFReader, slow on np.memmap (see engine.loader.gguf_reader._reader_class), so it gets
     the plain-array subclass reading the same bytes; and it rebuilds the same gguf tensor-name map
     once per module (~400 times), so that pure function is memoized.
     """
@@ -55,7 +55,7 @@ def hf_gguf_state_dict() -> dict[str, torch.Tensor]:
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from engine.loader.gguf import _reader_class
+    from engine.loader.gguf_reader import _reader_class
 
     path = smollm2_gguf_path()
     with pytest.MonkeyPatch.context() as mp:
@@ -75,7 +75,7 @@ def test_reader_parses_metadata_like_gguf(tmp_path):
     """The loader's reader builds its array fields itself (10x faster); every field must come out
     as gguf.GGUFReader's: the same parts (dtype, shape, bytes), data indexes, types and contents,
     for the default model's 49k-entry vocabulary and merges and a tiny model's."""
-    from engine.loader.gguf import _reader_class
+    from engine.loader.gguf_reader import _reader_class
 
     for path in (smollm2_gguf_path(), make_tiny_gguf(tmp_path, "llama", "Q8_0")):
         ours, theirs = _reader_class()(str(path), "c"), GGUFReader(str(path), "c")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from engine.loader.gguf import open_reader
+from engine.loader.gguf_reader import open_reader
 from engine.tokenizer import GGUF_PRE_TOKENIZER_SPLITS, IncrementalDetokenizer, Tokenizer
 from tests.tiny_models import make_tiny_gguf, make_tiny_spm_gguf, smollm2_gguf_path
 
