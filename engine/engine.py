@@ -50,40 +50,46 @@ class LLMEngine:
         self.config = config
         process.bound_onednn_caches()
         torch.set_num_threads(config.num_threads)
-        t0 = time.monotonic()
-        skip = functools.partial(skip_dense, config)
-        loaded = loaded or load_model(config.model, config.torch_dtype, progress=progress, skip_dense=skip)
-        t_load = time.monotonic()
-        self.model_config = loaded.config
-        # "auto" KV cache resolved for this model and CPU, on a copy: everything below (the layers,
-        # block sizing, the start-up log) reads the storage type it gets.
-        int8_in_place = int8_decodes_in_place(config.torch_dtype, config.cache.block_size, loaded.config.head_dim)
-        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.torch_dtype, int8_in_place)
-        config = self.config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype=kv_dtype))
-        self.tokenizer = loaded.tokenizer
-        self.model_name = config.served_model_name or default_model_name(loaded.source)
-        self.max_model_len = min(
-            config.scheduler.max_model_len or loaded.config.max_position_embeddings,
-            loaded.config.max_position_embeddings,
-        )
-        num_blocks = self._num_blocks()
-        self.runner = ModelRunner(config, loaded.config, self.max_model_len, num_blocks)
-        absent = set(loaded.gguf_tensors) - set(loaded.weights)  # served from their blocks alone
-        self.runner.load_weights(loaded.weights, absent)
-        attach_quantized_weights(self.runner.model, config, loaded, absent)
-        del loaded
-        t_weights = time.monotonic()
-        self.runner.allocate_kv_cache()
-        self.kv = KVCacheManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, self._prefix_cache_blocks(num_blocks)
-        )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.output = OutputProcessor(self.tokenizer, self.scheduler)
-        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
-        self._arrival_seq = itertools.count()
-        # Test-only fault injection: called with each step's SchedulerOutput before the model runs.
-        self.fault_hook: Optional[Callable[[SchedulerOutput], None]] = None
-        process.release_freed_memory()
+        with process.existing_objects_frozen():
+            t0 = time.monotonic()
+            skip = functools.partial(skip_dense, config)
+            loaded = loaded or load_model(config.model, config.torch_dtype, progress=progress, skip_dense=skip)
+            t_load = time.monotonic()
+            self.model_config = loaded.config
+            # "auto" KV cache resolved for this model and CPU, on a copy: everything below (the layers,
+            # block sizing, the start-up log) reads the storage type it gets.
+            int8_in_place = int8_decodes_in_place(config.torch_dtype, config.cache.block_size, loaded.config.head_dim)
+            kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.torch_dtype, int8_in_place)
+            cache = dataclasses.replace(config.cache, kv_cache_dtype=kv_dtype)
+            config = self.config = dataclasses.replace(config, cache=cache)
+            self.tokenizer = loaded.tokenizer
+            self.model_name = config.served_model_name or default_model_name(loaded.source)
+            self.max_model_len = min(
+                config.scheduler.max_model_len or loaded.config.max_position_embeddings,
+                loaded.config.max_position_embeddings,
+            )
+            num_blocks = self._num_blocks()
+            self.runner = ModelRunner(config, loaded.config, self.max_model_len, num_blocks)
+            absent = set(loaded.gguf_tensors) - set(loaded.weights)  # served from their blocks alone
+            self.runner.load_weights(loaded.weights, absent)
+            attach_quantized_weights(self.runner.model, config, loaded, absent)
+            del loaded
+            t_weights = time.monotonic()
+            self.runner.allocate_kv_cache()
+            self.kv = KVCacheManager(
+                num_blocks,
+                config.cache.block_size,
+                config.cache.enable_prefix_caching,
+                self._prefix_cache_blocks(num_blocks),
+            )
+            self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+            self.output = OutputProcessor(self.tokenizer, self.scheduler)
+            tok = self.tokenizer
+            self.grammars = GrammarCompiler(tok.backend.to_str(), tok.vocab_size, tok.eos_token_ids)
+            self._arrival_seq = itertools.count()
+            # Test-only fault injection: called with each step's SchedulerOutput before the model runs.
+            self.fault_hook: Optional[Callable[[SchedulerOutput], None]] = None
+            process.release_freed_memory()
         self.load_time_s = time.monotonic() - t0
         reserve = self.kv.reserve_blocks  # 0 without prefix caching
         logger.info(

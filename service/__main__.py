@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Sequence
 import uvicorn
 
 import service
-from engine import envs, process
+from engine import envs
 from engine.config import (
     KV_CACHE_DTYPES,
     LARGE_BATCH_MATMULS,
@@ -241,10 +241,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server.should_exit = True
 
     state.on_engine_dead = stop_after_engine_death
-    # What the imports made lives as long as the process: out of the collector's way while the
-    # model loads, and the engine too once loaded.
-    process.freeze_long_lived_objects()
-    state.freeze_after_load = True
     # uvicorn re-raises the signal that stopped it once it has drained; by then we are done, and
     # exit 0 rather than die of the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -18,7 +18,6 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
-from engine import process
 from engine.async_engine import AsyncEngine, Delivery, EngineDeadError, Mailbox, QueueFullError
 from engine.engine import LLMEngine
 from engine.loader import ModelLoadError
@@ -60,9 +59,6 @@ class ServerState:
         self.engine_died = False  # the engine loop died: the process must exit non-zero
         # Called (on the event loop) a moment after the engine loop died; __main__ stops the server.
         self.on_engine_dead: Callable[[], None] = lambda: None
-        # The server process (__main__) keeps its engine for life: its objects are then frozen
-        # out of the garbage collector's passes (engine/process.py).
-        self.freeze_after_load = False
         self.created = int(time.time())
         self.generations: "weakref.WeakSet[InFlight]" = weakref.WeakSet()  # in flight, for the drain
         # service.tracing.Tracer when --otlp-traces-endpoint is set: also told of every finished request.
@@ -81,8 +77,6 @@ class ServerState:
             try:
                 engine = LLMEngine(self.config.engine)
                 _warm_up(engine)
-                if self.freeze_after_load:
-                    process.freeze_long_lived_objects()
             except BaseException as exc:  # noqa: BLE001 - handed to the event loop
                 loop.call_soon_threadsafe(_settle, done, None, exc)
             else:

@@ -36,10 +36,13 @@ def _reader_class() -> type:
                 self._parts = self._build_parts()
             return self._parts
 
-    def array_field(offset: int, name: str, head: list, itype: GGUFValueType, values: list, build_parts: Any) -> ArrayField:
+    def array_field(
+        offset: int, name: str, head: list, itype: GGUFValueType, values: list, build_parts: Any
+    ) -> ArrayField:
         step = 2 if itype == GGUFValueType.STRING else 1  # a string's parts: its length, then its bytes
         first = len(head) + step - 1
-        field = ArrayField(offset, name, [], list(range(first, first + step * len(values), step)), [GGUFValueType.ARRAY, itype])
+        data = list(range(first, first + step * len(values), step))
+        field = ArrayField(offset, name, [], data, [GGUFValueType.ARRAY, itype])
         field._values, field._build_parts, field._parts = values, build_parts, None
         return field
 
@@ -117,7 +120,9 @@ def _reader_class() -> type:
             if len(values) != count:
                 raise ValueError(f"array at offset {at} runs past the end of the file")
             return (
-                array_field(orig_offs, name, head, itype, values.tolist(), lambda: head + [values[i : i + 1] for i in range(count)]),
+                array_field(
+                    orig_offs, name, head, itype, values.tolist(), lambda: head + [values[i : i + 1] for i in range(count)]
+                ),
                 12 + int(values.nbytes),
             )
 
