@@ -91,7 +91,8 @@ def _reader_class() -> type:
 
         def _array(self, orig_offs: int, name: str, head: list, offs: int) -> Optional[tuple[ArrayField, int]]:
             """The flat array (strings or numbers) whose item type is at ``offs``, and its size in
-            bytes; None for an array of arrays."""
+            bytes; None for an array of arrays, or of strings that are not UTF-8 (gguf's own parts
+            then, whose ``contents()`` raises only if something reads them)."""
             raw_itype, alen = self._get(offs, np.uint32), self._get(offs + 4, np.uint64)
             itype, count, at, buf = GGUFValueType(int(raw_itype[0])), int(alen[0]), offs + 12, self.data
             head = head + [raw_itype, alen]
@@ -105,7 +106,10 @@ def _reader_class() -> type:
                     rel += 8
                     starts.append(at + rel)
                     lengths.append(n)
-                    strings.append(raw[rel : rel + n].decode("utf-8"))
+                    try:
+                        strings.append(raw[rel : rel + n].decode("utf-8"))
+                    except UnicodeDecodeError:
+                        return None
                     rel += n
 
                 def string_parts() -> list:

@@ -386,3 +386,25 @@ def test_directory_that_is_not_a_model(tmp_path):
 def test_directory_with_one_gguf(tmp_path):
     make_tiny_gguf(tmp_path, "llama", "Q8_0")
     assert load_model(str(tmp_path), torch.float32).config.architecture == "llama"
+
+
+def test_reader_takes_a_string_array_that_is_not_utf8_as_gguf_does(tmp_path):
+    """A metadata string that is not UTF-8 fails only where it is read, as with gguf.GGUFReader:
+    opening the file still works, the array's contents() raises, every other field reads the same."""
+    from engine.loader.gguf_reader import _reader_class
+
+    good = make_tiny_gguf(tmp_path, "llama", "Q8_0")
+    reader = GGUFReader(str(good))
+    field = reader.fields["tokenizer.ggml.tokens"]
+    at = field.parts[field.data[-1]].ctypes.data - reader.data.ctypes.data  # the last token's first byte
+    data = bytearray(good.read_bytes())
+    data[at] = 0xFF  # never valid in UTF-8
+    bad = tmp_path / "latin1.gguf"
+    bad.write_bytes(bytes(data))
+    ours, theirs = _reader_class()(str(bad), "c"), GGUFReader(str(bad), "c")
+    for r in (ours, theirs):
+        with pytest.raises(UnicodeDecodeError):
+            r.fields["tokenizer.ggml.tokens"].contents()
+    assert {k: f.contents() for k, f in ours.fields.items() if k != "tokenizer.ggml.tokens"} == {
+        k: f.contents() for k, f in theirs.fields.items() if k != "tokenizer.ggml.tokens"
+    }
