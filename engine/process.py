@@ -2,7 +2,8 @@
 
 Three tweaks, each bounding a resource a long-running server would otherwise lose to the
 libraries underneath: oneDNN's per-shape caches, glibc's freed heap, and an idle thread's
-OpenMP worker team.  (Measurements behind them: benchmarks/HISTORY.md, "process tweaks".)
+OpenMP worker team; and the garbage collector kept off the imports' objects while a model loads.
+(Measurements behind them: benchmarks/HISTORY.md, "process tweaks" and "start-up".)
 """
 
 from __future__ import annotations
