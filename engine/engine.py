@@ -85,7 +85,7 @@ class LLMEngine:
             self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
             self.output = OutputProcessor(self.tokenizer, self.scheduler)
             tok = self.tokenizer
-            self.grammars = GrammarCompiler(tok.backend.to_str(), tok.vocab_size, tok.eos_token_ids)
+            self.grammars = GrammarCompiler(tok.backend.to_str, tok.vocab_size, tok.eos_token_ids)
             self._arrival_seq = itertools.count()
             # Test-only fault injection: called with each step's SchedulerOutput before the model runs.
             self.fault_hook: Optional[Callable[[SchedulerOutput], None]] = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import llguidance as llg
 from llguidance.gbnf_to_lark import any_to_lark
@@ -44,8 +44,8 @@ class GrammarCompiler:
     """Builds and caches matchers for one tokenizer.  Thread-safe: the service compiles on worker
     threads while the engine thread takes copies."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        self._tokenizer_json = tokenizer_json
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._tokenizer_json = tokenizer_json  # serialized only when first needed (~20 ms for 49k tokens)
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._ll_tokenizer: Optional[llg.LLTokenizer] = None
@@ -58,7 +58,7 @@ class GrammarCompiler:
         first use, so servers that never see a constrained request never pay for it."""
         with self._lock:
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
+                self._ll_tokenizer = llg.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self._eos)
             return self._ll_tokenizer
 
     def compile(self, spec: StructuredSpec) -> llg.LLMatcher:
