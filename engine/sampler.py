@@ -345,16 +345,17 @@ def sample(logits: torch.Tensor, requests: list[Request], masks: Optional[MaskBa
     if any(r.params.has_penalties for r in requests):
         logits = logits.clone(memory_format=torch.contiguous_format)
         _apply_penalties(logits, requests)
-    if masks is not None and masks.requests:
-        if logits is raw_logits and any(c >= 0 for c in counts):
-            logits = logits.clone()  # logprobs still report the unmasked distribution
-        masks.apply(logits, raw_logits, requests)
+    def masked(batch: MaskBatch) -> torch.Tensor:
+        """``logits`` with ``batch``'s masks applied: a copy while logprobs still need the raw ones."""
+        out = logits.clone() if logits is raw_logits and any(c >= 0 for c in counts) else logits
+        batch.apply(out, raw_logits, requests)
+        return out
 
+    if masks is not None and masks.requests:
+        logits = masked(masks)
     tokens = _pick(logits, requests)
     if masks is not None and (refused := masks.refused(requests, tokens.tolist())):
-        if logits is raw_logits and any(c >= 0 for c in counts):
-            logits = logits.clone()
-        masks.late.apply(logits, raw_logits, requests)
+        logits = masked(masks.late)
         tokens[refused] = _pick(logits[refused], [requests[i] for i in refused])
 
     return SamplerOutput(tokens.tolist(), top_logprobs(raw_logits, tokens, counts))

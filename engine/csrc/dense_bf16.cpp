@@ -146,8 +146,7 @@ struct PackedProblem {
 };
 
 CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_BF16) inline void store16(const PackedProblem& p, int64_t t, int64_t col, __m512 v) {
-  const int valid = static_cast<int>(std::min<int64_t>(16, p.n - col));
-  const __mmask16 mk = valid == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+  const __mmask16 mk = cpuserve::Vec512::mask(static_cast<int>(std::min<int64_t>(16, p.n - col)));
   if (p.bias != nullptr)
     v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p.bias + col)), 16)));
   if (p.out_float32)
