@@ -35,11 +35,11 @@ def existing_objects_frozen() -> Iterator[None]:
     """Keep the objects alive at entry out of the cyclic collector's passes until exit
     (``gc.freeze``, then ``gc.unfreeze``), for loading a model.
 
-    After importing torch a full collection walks ~200k objects (~0.1 s on the 2-core host); a
-    GGUF vocabulary's ~100k strings set such passes off while loading, and the loader's final
-    collect is one more.  Unfrozen at exit, because objects left frozen no longer count toward the
-    collector's threshold for a full pass (a quarter of the old generation): a server serving with
-    them frozen ran full passes over its own objects every few dozen tokens (c=1 TPOT +0.1-0.3 ms).
+    After importing torch a full collection walks every object torch made; a GGUF vocabulary's
+    strings set such passes off while loading, and the loader's final collect is one more.
+    Unfrozen at exit, because objects left frozen no longer count toward the collector's threshold
+    for a full pass (a quarter of the old generation), so a server serving with them frozen ran
+    full passes over its own objects every few dozen tokens (benchmarks/HISTORY.md, "start-up").
     """
     gc.freeze()
     try:

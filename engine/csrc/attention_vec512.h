@@ -38,7 +38,6 @@ static inline __mmask64 mask64(int n) {
   return n >= 64 ? ~static_cast<__mmask64>(0) : n <= 0 ? static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << n) - 1;
 }
 
-
 // fp8 / int8 row (D values) -> bf16(x * scale), Dp values (zero padded).
 static inline void dequant_row_bf16(const uint8_t* src, int D, int Dp, KvKind kind, float scale, uint16_t* dst) {
   const __m512 sc = _mm512_set1_ps(scale);

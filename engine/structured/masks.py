@@ -11,16 +11,16 @@ forward for the cores.
 
 Rows drawn from a truncated distribution are masked ahead, since truncating before the mask would
 cut a different set: llguidance computes their masks (a bit per vocabulary token) on a worker
-thread, outside the GIL.  :class:`MaskPlanner` starts them as early as they are
-known: right after the previous step's tokens are committed, so they are built while the engine
-processes outputs and schedules (Python on one core, the forward's threads idle) and, if need be,
-during the next forward; a batch that a step's rows do not match is rebuilt before that step's
-forward.  The sampler then calls :meth:`MaskBatch.apply`, which waits for them and sets every
-disallowed logit to -inf (natively where the extension is built).
+thread, outside the GIL.  :class:`MaskPlanner` starts them as early as they are known: right after
+the previous step's tokens are committed, so they are built while the engine processes outputs and
+schedules (Python on one core, the forward's threads idle) and, if need be, during the next
+forward; a batch that a step's rows do not match is rebuilt before that step's forward.  The
+sampler then calls :meth:`MaskBatch.apply`, which waits for them and sets every disallowed logit
+to -inf (natively where the extension is built).
 
 Unconstrained rows are never touched, and a batch without constrained rows costs one list
-comprehension.  After sampling, :meth:`MaskPlanner.commit` advances each
-constrained row's matcher by the token it drew.
+comprehension.  After sampling, :meth:`MaskPlanner.commit` advances each constrained row's matcher
+by the token it drew.
 """
 
 from __future__ import annotations
