@@ -209,11 +209,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--window", type=int, default=1024, help="tokens per prompt (BOS included)")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the requantized files are made and kept")
     ap.add_argument("--llama-quantize", default=DEFAULT_QUANTIZE, help="llama.cpp's llama-quantize binary")
+    ap.add_argument("--large-batch-matmul", default="auto",
+                    help="the engine's large_batch_matmul (int8: prompts on the packed blocks even where the "
+                         "row-int8 copies would fit, as on models that are too big for them)")
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
     if args.window + 1 > NUM_BLOCKS * 16:
         raise SystemExit(f"--window: at most {NUM_BLOCKS * 16 - 1}")
     kv_dtypes = [k.strip() for k in args.kv_dtypes.split(",") if k.strip()]
+    unknown = sorted(set(kv_dtypes) - set(KV_DTYPES) - {"int8"})
+    if unknown:  # before the minutes the reference takes, not after
+        raise SystemExit(f"--kv-dtypes: {', '.join(unknown)} unknown; of {', '.join(KV_DTYPES)}, int8")
 
     t0 = time.time()
     source = default_gguf_path()
@@ -242,6 +248,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                "results": {}}
         for kv in kv_dtypes:
             engine = LLMEngine(EngineConfig(model=f.path, dtype="bfloat16", weight_quant=f.weight_quant,
+                                            large_batch_matmul=args.large_batch_matmul,
                                             cache=CacheConfig(num_blocks=NUM_BLOCKS, kv_cache_dtype=kv)), loaded=loaded)
             resolved = engine.config.cache.kv_cache_dtype
             kv_labels.setdefault(kv, kv if resolved == kv else f"{kv} ({resolved})")
@@ -255,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     positions = rows[0]["results"][kv_dtypes[0]]["positions"] if rows and kv_dtypes else 0
     print(f"\nAgainst the float32 dense reference, {positions} positions of the PyTorch README (torch "
           f"{__import__('importlib.metadata').metadata.version(TEXT_PACKAGE)} package metadata) in windows of "
-          f"{args.window} tokens; served as bf16 with --weight-quant auto ({time.time() - t0:.0f} s).\n")
+          f"{args.window} tokens; served as bf16 with --weight-quant auto, large-batch matmuls {args.large_batch_matmul} ({time.time() - t0:.0f} s).\n")
     print(kld_table(rows, kv_labels))
     print(f"\nllama.cpp published: {PUBLISHED_SOURCE}; L2 7B = LLaMA 2 7B, L3 8B = LLaMA 3 8B.")
     if args.json_out:

@@ -49,16 +49,17 @@ struct Problem {
   int m;        // activation rows
   // Quantized activations, per row `ldq` bytes: each 32-block is `digits` planes of 32 int8
   // (1: q; 2: the high and low base-128 digits a, b of a 15-bit q = 128 a + b).  Per block:
-  // xd scale (x ~ xd * q), xs = xd * sum(q), xsum = sum(q).  For row-scaled weights (wscale set)
-  // xq and xd are in row tiles instead (rows_tiled_q below); xs and xsum stay per row.
+  // xd scale (x ~ xd * q), xs = xd * sum(q) (K types: sum(q), their super-block's xd applied
+  // once, see QuantRow), xsum = sum(q).  For row-scaled weights (wscale set) xq and xd are in row
+  // tiles instead (rows_tiled_q below); xs and xsum stay per row.
   int digits;
   int64_t ldq;
   const int8_t* xq;
   const float* xd;
   const float* xs;
   const int32_t* xsum;
-  // Split types only (Layout::split, Q6_K): per row and block, xd * the digit sums of elements
-  // 0-15 and of 16-31, [row][block][2].
+  // Split types only (Layout::split, Q6_K, a K type): per row and block, the digit sums of
+  // elements 0-15 and of 16-31 as floats, [row][block][2].
   const float* xsh = nullptr;
   // output [m, n] with row stride ldo; bias [n] or null
   void* out;
@@ -134,7 +135,10 @@ constexpr float kQmax8 = 127.f, kQmax16 = 127.f * 128.f;
 inline int high_digit(int q) { return static_cast<int>(std::nearbyint(static_cast<float>(q) * (1.f / 128.f))); }
 
 // Where one row's blocks go: block b's digits at q + b * q_stride, its scale at d[b * d_stride];
-// digit sums s and sum are per row, contiguous.
+// digit sums s and sum are per row, contiguous.  `span` blocks in a run share one scale, that of
+// their joint amax: 1, or kSuperBlocks for K-quant weights (llama.cpp's Q8_K), whose kernels then
+// apply it once per super-block instead of once per block (act_span).  s is the digit sum times
+// the scale a kernel applies per block: d * sum with span 1, the plain sum with a shared scale.
 struct QuantRow {
   const void* x;
   bool bf16;
@@ -146,7 +150,11 @@ struct QuantRow {
   int32_t* sum;
   int64_t q_stride;
   int d_stride;
+  int span = 1;
 };
+
+// Blocks per activation scale for weights of `qtype`.
+constexpr int act_span(int qtype) { return layout(qtype).kquant ? kSuperBlocks : 1; }
 
 // The AVX-512 row-scaled kernel takes 8-bit activations in tiles of kRowsTile rows: tile T holds
 // rows kRowsTile * T onwards, h of them (kRowsTile, or fewer in the last tile), block by block,
@@ -172,32 +180,33 @@ inline int64_t rows16_q_bytes(int64_t m, int64_t k) { return (m + kAmxRows - 1) 
 
 void quantize_row_scalar(const QuantRow& r) {
   const int nb = static_cast<int>(r.k / kBlock);
-  for (int b = 0; b < nb; ++b) {
-    float v[kBlock];
-    for (int i = 0; i < kBlock; ++i) {
-      const int64_t j = static_cast<int64_t>(b) * kBlock + i;
-      v[i] = r.bf16 ? bf16_to_float(static_cast<const uint16_t*>(r.x)[j]) : static_cast<const float*>(r.x)[j];
-    }
+  auto at = [&](int64_t j) {
+    return r.bf16 ? bf16_to_float(static_cast<const uint16_t*>(r.x)[j]) : static_cast<const float*>(r.x)[j];
+  };
+  for (int b0 = 0; b0 < nb; b0 += r.span) {
     float amax = 0.f;
-    for (float f : v) amax = std::max(amax, std::fabs(f));
+    for (int64_t j = static_cast<int64_t>(b0) * kBlock; j < static_cast<int64_t>(b0 + r.span) * kBlock; ++j)
+      amax = std::max(amax, std::fabs(at(j)));
     const float d = amax / (r.digits == 2 ? kQmax16 : kQmax8);
     const float id = d != 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    int8_t* qb = r.q + b * r.q_stride;
-    for (int i = 0; i < kBlock; ++i) {
-      const int q = static_cast<int>(std::nearbyint(v[i] * id));
-      if (r.digits == 2) {
-        const int hi = high_digit(q);
-        qb[i] = static_cast<int8_t>(hi);
-        qb[kBlock + i] = static_cast<int8_t>(q - 128 * hi);
-      } else {
-        qb[i] = static_cast<int8_t>(q);
+    for (int b = b0; b < b0 + r.span; ++b) {
+      int32_t sum = 0;
+      int8_t* qb = r.q + b * r.q_stride;
+      for (int i = 0; i < kBlock; ++i) {
+        const int q = static_cast<int>(std::nearbyint(at(static_cast<int64_t>(b) * kBlock + i) * id));
+        if (r.digits == 2) {
+          const int hi = high_digit(q);
+          qb[i] = static_cast<int8_t>(hi);
+          qb[kBlock + i] = static_cast<int8_t>(q - 128 * hi);
+        } else {
+          qb[i] = static_cast<int8_t>(q);
+        }
+        sum += q;
       }
-      sum += q;
+      r.d[b * r.d_stride] = d;
+      r.sum[b] = sum;
+      r.s[b] = (r.span == 1 ? d : 1.f) * static_cast<float>(sum);
     }
-    r.d[b * r.d_stride] = d;
-    r.sum[b] = sum;
-    r.s[b] = d * static_cast<float>(sum);
   }
 }
 
@@ -272,19 +281,21 @@ inline void dot_scalar(const uint8_t* q, const int8_t* xb, int32_t dot[2]) {
 // The scalar reference of every block type: per row and block the integer dot product of the
 // unsigned quants, then the float steps the SIMD kernels take (Q8_0: remove 128 * sum(x_q) in
 // integers; the rest: the dot times d * xd plus the offset m - zero * d times xd * sum(x_q), per
-// half for split types).
+// half for split types).  K types share xd over a super-block (act_span): there the block's terms
+// go without it into a super-block sum, which meets xd once, at the super-block's end.
 void group_scalar(const Problem& p, int64_t g) {
   const int rows_valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(p.gbytes);
   const Layout L = layout(p.qtype);
   for (int t = 0; t < p.m; ++t) {
     const int8_t* xq = p.xq + static_cast<int64_t>(t) * p.ldq;
-    float acc[kGroupRows] = {0};
+    float out[kGroupRows] = {0}, sb[kGroupRows] = {0};
+    float* acc = L.kquant ? sb : out;
     for (int b = 0; b < p.nb; ++b) {
       const BlockRef br = block_at(wg, p.qtype, b);
       const int8_t* xb = xq + b * kBlock * p.digits;
       const int64_t tb = static_cast<int64_t>(t) * p.nb + b;
-      const float xd = p.xd[tb], xs = p.xs[tb];
+      const float xd = L.kquant ? 1.f : p.xd[tb], xs = p.xs[tb];
       for (int r = 0; r < kGroupRows; ++r) {
         uint8_t q[kBlock];
         row_quants(br.q, p.qtype, r, q);
@@ -301,18 +312,22 @@ void group_scalar(const Problem& p, int64_t g) {
         } else if (L.split) {
           for (int h = 0; h < 2; ++h) {
             const float d = row_scale(br, p.qtype, r, h).d;
-            acc[r] += static_cast<float>(dot[h]) * (d * xd);
-            acc[r] += d * static_cast<float>(-L.zero) * p.xsh[2 * tb + h];
+            acc[r] = std::fma(static_cast<float>(dot[h]), d * xd, acc[r]);
+            acc[r] = std::fma(d * static_cast<float>(-L.zero), p.xsh[2 * tb + h], acc[r]);
           }
         } else {
           const RowScale rs = row_scale(br, p.qtype, r, 0);
           const float m = L.has_m ? rs.m : rs.d * static_cast<float>(-L.zero);
-          acc[r] += static_cast<float>(dot[0] + dot[1]) * (rs.d * xd);
-          acc[r] += m * xs;
+          acc[r] = std::fma(static_cast<float>(dot[0] + dot[1]), rs.d * xd, acc[r]);
+          acc[r] = std::fma(m, xs, acc[r]);
+        }
+        if (L.kquant && br.sub == kSuperBlocks - 1) {
+          out[r] = std::fma(sb[r], p.xd[tb], out[r]);
+          sb[r] = 0.f;
         }
       }
     }
-    for (int r = 0; r < rows_valid; ++r) store1_scalar(p, t, g * kGroupRows + r, acc[r]);
+    for (int r = 0; r < rows_valid; ++r) store1_scalar(p, t, g * kGroupRows + r, out[r]);
   }
 }
 
@@ -398,6 +413,14 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512i quantize_block_avx512(c
   return _mm512_add_epi32(q0, q1);
 }
 
+// Each lane of 16 blocks' values the maximum over its run of `span` lanes (1 or 8).
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512 span_max16(__m512 v, int span) {
+  if (span == 1) return v;
+  v = _mm512_max_ps(v, _mm512_permute_ps(v, 0xb1));  // neighbours
+  v = _mm512_max_ps(v, _mm512_permute_ps(v, 0x4e));  // pairs in a 128-bit lane
+  return _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0xb1));  // 128-bit lanes in a 256-bit half
+}
+
 // Same results as quantize_row_scalar.  Blocks go 16 at a time: their absolute maxima, scales
 // and digit sums are vectors (cpuserve::RowReduce16), where one block at a time paid two
 // horizontal reductions and a division in a dependent chain.
@@ -416,7 +439,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void quantize_row_avx512(const QuantRo
         a[j] = _mm512_max_ps(_mm512_and_ps(load(b + 2 * i + j, 0), absmask), _mm512_and_ps(load(b + 2 * i + j, 1), absmask));
       amax.pair(i, a[0], a[1]);
     }
-    const __m512 d = _mm512_div_ps(amax.finish(), _mm512_set1_ps(qmax));
+    const __m512 d = _mm512_div_ps(span_max16(amax.finish(), r.span), _mm512_set1_ps(qmax));
     const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.f), d);
     alignas(64) float ids[16];
     _mm512_store_ps(ids, id);
@@ -438,17 +461,20 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void quantize_row_avx512(const QuantRo
       _mm512_i32scatter_ps(r.d + b * r.d_stride, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(r.d_stride)), d, 4);
     }
     _mm512_storeu_si512(r.sum + b, _mm512_cvtps_epi32(sums));
-    _mm512_storeu_ps(r.s + b, _mm512_mul_ps(d, sums));
+    _mm512_storeu_ps(r.s + b, r.span == 1 ? _mm512_mul_ps(d, sums) : sums);
   }
-  for (; b < nb; ++b) {
-    const __m512 v0 = load(b, 0), v1 = load(b, 1);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
-    const float d = amax / qmax;
+  for (; b < nb; b += r.span) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int i = b; i < b + r.span; ++i)
+      mx = _mm512_max_ps(mx, _mm512_max_ps(_mm512_and_ps(load(i, 0), absmask), _mm512_and_ps(load(i, 1), absmask)));
+    const float d = _mm512_reduce_max_ps(mx) / qmax;
     const float id = d != 0.f ? 1.f / d : 0.f;
-    const int32_t sum = _mm512_reduce_add_epi32(quantize_block_avx512(r, b, v0, v1, id));
-    r.d[b * r.d_stride] = d;
-    r.sum[b] = sum;
-    r.s[b] = d * static_cast<float>(sum);
+    for (int i = b; i < b + r.span; ++i) {
+      const int32_t sum = _mm512_reduce_add_epi32(quantize_block_avx512(r, i, load(i, 0), load(i, 1), id));
+      r.d[i * r.d_stride] = d;
+      r.sum[i] = sum;
+      r.s[i] = (r.span == 1 ? d : 1.f) * static_cast<float>(sum);
+    }
   }
 }
 
@@ -572,6 +598,13 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const 
   }
 }
 
+// acc + w (unsigned bytes) . the 4 signed bytes at x in every lane, the broadcast taken by the
+// instruction's memory operand: GCC issues _mm512_set1_epi32(*x) as a separate vpbroadcastd.
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512i dpbusd_bcast_avx512(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
 template <int QT, int NG, int MT, int DIGITS>
 CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& p, int64_t g, int t0, int pass, int passes) {
   constexpr Layout L = layout(QT);
@@ -582,9 +615,16 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
   const int nb = p.nb;
   const int64_t gstride = static_cast<int64_t>(nb) * p.gbytes;
   const uint8_t* wg = p.w + g * gstride;
-  __m512 acc[NG][MT];
+  // K types: sb sums a super-block's terms without the activation scale (shared by its blocks,
+  // act_span), which multiplies the sum once, into `out`, at the super-block's end.  `out` stays
+  // in memory, read and written once a super-block, so that the 8-row tile's registers hold the sums.
+  __m512 acc[NG][MT], sb[NG][MT];
+  alignas(64) float out[L.kquant ? NG : 1][L.kquant ? MT : 1][16];
   for (int i = 0; i < NG; ++i)
-    for (int t = 0; t < MT; ++t) acc[i][t] = _mm512_setzero_ps();
+    for (int t = 0; t < MT; ++t) {
+      acc[i][t] = sb[i][t] = _mm512_setzero_ps();
+      if (L.kquant) _mm512_store_ps(out[i][t], acc[i][t]);
+    }
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   // The same block of the NG groups the next tile reads, into L2, spread over the passes (as the
   // row-int8 kernel below does): a fixed distance ahead of each of the NG interleaved streams
@@ -628,6 +668,11 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
         const int8_t* xb = p.xq + (t0 + t) * p.ldq + b * kBlock * DIGITS;
         for (int d = 0; d < DIGITS; ++d) {
           const int32_t* xw = reinterpret_cast<const int32_t*>(xb + d * kBlock);
+          if (NG == 1) {
+            s[0][t][d][h0] = dpbusd_bcast_avx512(s[0][t][d][h0], w[0][0], xw + c);
+            if (QT != kQ8_0) s[0][t][d][h1] = dpbusd_bcast_avx512(s[0][t][d][h1], w[0][1], xw + 4 + c);
+            continue;
+          }
           const __m512i x0 = _mm512_set1_epi32(xw[c]);
           for (int i = 0; i < NG; ++i) s[i][t][d][h0] = _mm512_dpbusd_epi32(s[i][t][d][h0], w[i][0], x0);
           if (QT != kQ8_0) {
@@ -646,27 +691,31 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
         __m512i dsum[kSums];  // the digits combined
         for (int h = 0; h < kSums; ++h)
           dsum[h] = DIGITS == 2 ? _mm512_add_epi32(_mm512_slli_epi32(s[i][t][0][h], 7), s[i][t][DIGITS - 1][h]) : s[i][t][0][h];
-        const __m512 xd = _mm512_set1_ps(p.xd[tb]);
+        __m512& a = L.kquant ? sb[i][t] : acc[i][t];
         if (L.split) {
           for (int h = 0; h < 2; ++h) {
-            acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum[h]), _mm512_mul_ps(dv[h], xd), acc[i][t]);
-            acc[i][t] = _mm512_fmadd_ps(mv[h], _mm512_set1_ps(p.xsh[2 * tb + h]), acc[i][t]);
+            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum[h]), dv[h], a);
+            a = _mm512_fmadd_ps(mv[h], _mm512_set1_ps(p.xsh[2 * tb + h]), a);
           }
-          continue;
+        } else {
+          __m512i sum = dsum[0];
+          if (kSums == 2) sum = _mm512_add_epi32(sum, dsum[kSums - 1]);
+          // Q8_0 weights are q + 128: remove 128 * sum(x_q)
+          if (QT == kQ8_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * p.xsum[tb]));
+          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), L.kquant ? dv[0] : _mm512_mul_ps(dv[0], _mm512_set1_ps(p.xd[tb])), a);
+          if (QT != kQ8_0) a = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(p.xs[tb]), a);
         }
-        __m512i sum = dsum[0];
-        if (kSums == 2) sum = _mm512_add_epi32(sum, dsum[kSums - 1]);
-        // Q8_0 weights are q + 128: remove 128 * sum(x_q)
-        if (QT == kQ8_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * p.xsum[tb]));
-        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dv[0], xd), acc[i][t]);
-        if (QT != kQ8_0) acc[i][t] = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(p.xs[tb]), acc[i][t]);
+        if (L.kquant && br.sub == kSuperBlocks - 1) {
+          _mm512_store_ps(out[i][t], _mm512_fmadd_ps(sb[i][t], _mm512_set1_ps(p.xd[tb]), _mm512_load_ps(out[i][t])));
+          sb[i][t] = _mm512_setzero_ps();
+        }
       }
     }
   }
   for (int i = 0; i < NG; ++i) {
     const int64_t col = (g + i) * kGroupRows;
     const int valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - col));
-    for (int t = 0; t < MT; ++t) store16_avx512(p, t0 + t, col, valid, acc[i][t]);
+    for (int t = 0; t < MT; ++t) store16_avx512(p, t0 + t, col, valid, L.kquant ? _mm512_load_ps(out[i][t]) : acc[i][t]);
   }
 }
 
@@ -806,15 +855,17 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX2) void quantize_row_avx2(const QuantRow& r) {
   const int nb = static_cast<int>(r.k / kBlock);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const float qmax = r.digits == 2 ? kQmax16 : kQmax8;
+  float d = 0.f, id = 0.f;
   for (int b = 0; b < nb; ++b) {
     __m256 v[4];
-    __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = load_x8_avx2(r.x, r.bf16, static_cast<int64_t>(b) * kBlock + 8 * i);
-      mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+    for (int i = 0; i < 4; ++i) v[i] = load_x8_avx2(r.x, r.bf16, static_cast<int64_t>(b) * kBlock + 8 * i);
+    if (b % r.span == 0) {  // the scale of blocks [b, b + span)
+      __m256 mx = _mm256_setzero_ps();
+      for (int64_t j = static_cast<int64_t>(b) * kBlock; j < static_cast<int64_t>(b + r.span) * kBlock; j += 8)
+        mx = _mm256_max_ps(mx, _mm256_and_ps(load_x8_avx2(r.x, r.bf16, j), absmask));
+      d = cpuserve::Vec256::hmax(mx) / qmax;
+      id = d != 0.f ? 1.f / d : 0.f;
     }
-    const float d = cpuserve::Vec256::hmax(mx) / qmax;
-    const float id = d != 0.f ? 1.f / d : 0.f;
     const __m256 vid = _mm256_set1_ps(id);
     __m256i q[4];
     __m256i sum = _mm256_setzero_si256();
@@ -837,7 +888,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX2) void quantize_row_avx2(const QuantRow& r) {
     const int32_t s = cpuserve::Vec256::hsum_i32(sum);
     r.d[b * r.d_stride] = d;
     r.sum[b] = s;
-    r.s[b] = d * static_cast<float>(s);
+    r.s[b] = (r.span == 1 ? d : 1.f) * static_cast<float>(s);
   }
 }
 
@@ -1003,7 +1054,7 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
       return;
     }
     QuantRow qr{xbase + r * xrow_bytes, bf16, k, digits, scratch.q.data() + r * k * digits, scratch.d.data() + r * nb,
-                scratch.s.data() + r * nb, scratch.sum.data() + r * nb, kBlock * digits, 1};
+                scratch.s.data() + r * nb, scratch.sum.data() + r * nb, kBlock * digits, 1, act_span(p.qtype)};
     if (row_corrections) {  // the row-scaled kernels' tiled layout
       const int h = rows_tile_height(static_cast<int>(m), static_cast<int>(r));
       qr.q = scratch.q.data() + rows_tiled_q(k, static_cast<int>(r));
@@ -1017,13 +1068,13 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
       quantize_row_avx2(qr);
     else
       quantize_row_scalar(qr);
-    if (half_sums)  // xd times the digit sums of each block's two halves (split types' offsets)
+    if (half_sums)  // the digit sums of each block's two halves (split types' offsets)
       for (int b = 0; b < nb; ++b) {
         const int8_t* qb = qr.q + b * qr.q_stride;
         int32_t first = 0;
         for (int i = 0; i < 16; ++i) first += digits == 2 ? 128 * qb[i] + qb[kBlock + i] : qb[i];
-        scratch.sh[2 * (r * nb + b)] = qr.d[b] * static_cast<float>(first);
-        scratch.sh[2 * (r * nb + b) + 1] = qr.d[b] * static_cast<float>(qr.sum[b] - first);
+        scratch.sh[2 * (r * nb + b)] = static_cast<float>(first);
+        scratch.sh[2 * (r * nb + b) + 1] = static_cast<float>(qr.sum[b] - first);
       }
     if (row_corrections) {
       float c = 0.f;

@@ -102,8 +102,8 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
   constexpr Layout L = layout(QT);
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(p.gbytes);
   const int nb = p.nb;
-  __m256 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+  __m256 acc[MT], sb[MT];  // sb: a K type's super-block sum (group_tile_avx512)
+  for (int t = 0; t < MT; ++t) acc[t] = sb[t] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   PrefetchTurn turn(h == 0 ? pass : -1, passes);  // the second half re-reads the group from cache
   for (int b = 0; b < nb; ++b) {
@@ -137,20 +137,24 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
     for (int t = 0; t < MT; ++t) {
       const int64_t row = t0 + t, tb = row * nb + b;
       const int8_t* xb = p.xq + row * p.ldq + b * kBlock * DIGITS;
-      const __m256 xd = _mm256_set1_ps(p.xd[tb]);
+      __m256& a = L.kquant ? sb[t] : acc[t];
       if (L.split) {
         for (int part = 0; part < 2; ++part) {
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(digits_dot<QT, DIGITS>(w, xb, 4 * part, 4)), _mm256_mul_ps(dv[part], xd), acc[t]);
-          acc[t] = _mm256_fmadd_ps(mv[part], _mm256_set1_ps(p.xsh[2 * tb + part]), acc[t]);
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(digits_dot<QT, DIGITS>(w, xb, 4 * part, 4)), dv[part], a);
+          a = _mm256_fmadd_ps(mv[part], _mm256_set1_ps(p.xsh[2 * tb + part]), a);
         }
-        continue;
-      }
-      __m256i s = digits_dot<QT, DIGITS>(w, xb, 0, 8);
+      } else {
+        __m256i s = digits_dot<QT, DIGITS>(w, xb, 0, 8);
 #if QL_VNNI
-      if (QT == kQ8_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * p.xsum[tb]));
+        if (QT == kQ8_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * p.xsum[tb]));
 #endif
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv[0], xd), acc[t]);
-      if (QT != kQ8_0) acc[t] = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), acc[t]);
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), L.kquant ? dv[0] : _mm256_mul_ps(dv[0], _mm256_set1_ps(p.xd[tb])), a);
+        if (QT != kQ8_0) a = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), a);
+      }
+      if (L.kquant && br.sub == kSuperBlocks - 1) {
+        acc[t] = _mm256_fmadd_ps(sb[t], _mm256_set1_ps(p.xd[tb]), acc[t]);
+        sb[t] = _mm256_setzero_ps();
+      }
     }
   }
   const int valid = static_cast<int>(std::min<int64_t>(8, p.n - g * kGroupRows - h * 8));

@@ -52,19 +52,21 @@ def gguf_dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> to
     return torch.from_numpy(dequantize(raw.numpy(), getattr(GGMLQuantizationType, qtype)).reshape(shape).copy())
 
 
-def quantize_activations(x: torch.Tensor, bits: int, per_row: bool = False) -> torch.Tensor:
-    """x rounded the way the kernel rounds it (per 32-block, or per whole row, to int8 or 15
-    bits), as float64."""
+def quantize_activations(x: torch.Tensor, bits: int, per_row: bool = False, block: int = 32) -> torch.Tensor:
+    """x rounded the way the kernel rounds it (per `block` elements: 32, or a K-quant's 256; or per
+    whole row; to int8 or 15 bits), as float64."""
     m, k = x.shape
-    b = x.float().reshape(m, 1 if per_row else k // 32, k if per_row else 32)
+    block = k if per_row else block
+    b = x.float().reshape(m, k // block, block)
     d = b.abs().amax(-1, keepdim=True) / (127 if bits == 8 else 127 * 128)
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     q = torch.round(b * inv)  # half to even, like the kernel's conversion
     return (q.double() * d.double()).reshape(m, k)
 
 
-def check_output(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None, bits: int = 16, per_row: bool = False) -> None:
-    xq = quantize_activations(x, bits, per_row)
+def check_output(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None, bits: int = 16, per_row: bool = False,
+                 block: int = 32) -> None:
+    xq = quantize_activations(x, bits, per_row, block)
     ref = xq @ w.double().t()
     bound = xq.abs() @ w.double().abs().t()  # scale of the accumulated terms
     if bias is not None:

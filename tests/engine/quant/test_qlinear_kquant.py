@@ -2,7 +2,8 @@
 Q4_K_M / Q5_K_M / Q6_K file holds (llama-quantize falls back to Q5_0 / Q5_1 / Q8_0 for rows whose
 length is not a multiple of 256).  The reference is gguf.quants' own dequantization: the kernels
 must compute with exactly the file's weights, the only rounding being the activations' (as for
-Q4_0 / Q8_0, tests/engine/quant/test_qlinear.py).
+Q4_0 / Q8_0, tests/engine/quant/test_qlinear.py), which for the K types share one scale per
+256-element super-block, as llama.cpp's Q8_K does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from tests.tiny_models import make_tiny_gguf
 pytestmark = pytest.mark.skipif(not qweights.native_available(), reason="native extension unavailable")
 
 NEW_QTYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def act_block(qtype: str) -> int:
+    """Activation elements that share one scale in the kernel, for weights of `qtype`."""
+    return 256 if qtype.endswith("_K") else 32
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0, scale: float = 0.002) -> torch.Tensor:
@@ -60,9 +66,9 @@ def test_matmul_random_blocks(isa, bits, qtype, m, dtype):
     pw = packed(raw, qtype, n, k, isa, bits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(dtype)
     x[0, :32] = 0  # an all-zero activation block
-    check_output(pw(x), x, w, bits=bits)
+    check_output(pw(x), x, w, bits=bits, block=act_block(qtype))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
-    check_output(pw(x, bias), x, w, bias, bits=bits)
+    check_output(pw(x, bias), x, w, bias, bits=bits, block=act_block(qtype))
 
 
 @pytest.mark.parametrize("qtype", NEW_QTYPES)
@@ -145,7 +151,7 @@ def test_mixed_qtype_merges_stack_their_parts(m):
     assert torch.equal(pw.dequantize(), w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(128)
-    check_output(pw(x, bias), x, w, bias)
+    check_output(pw(x, bias), x, w, bias, block=256)
     rows = qweights.rows_int8_from(pw)
     ref = qweights.quantize_rows_int8(w)
     assert torch.equal(rows.data, ref.data) and torch.equal(rows.scales, ref.scales)
