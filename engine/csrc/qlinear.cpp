@@ -50,16 +50,17 @@ struct Problem {
   // Quantized activations, per row `ldq` bytes: each 32-block is `digits` planes of 32 int8
   // (1: q; 2: the high and low base-128 digits a, b of a 15-bit q = 128 a + b).  Per block:
   // xd scale (x ~ xd * q), xs = xd * sum(q) (K types: sum(q), their super-block's xd applied
-  // once, see QuantRow), xsum = sum(q).  For row-scaled weights (wscale set) xq and xd are in row
-  // tiles instead (rows_tiled_q below); xs and xsum stay per row.
+  // once, see QuantRow), xsum = sum(q).  The AVX-512 kernels take them in tiles of `xtile` rows
+  // (ActTiles below; 1: row after row).
   int digits;
   int64_t ldq;
+  int xtile = 1;
   const int8_t* xq;
   const float* xd;
   const float* xs;
   const int32_t* xsum;
   // Split types only (Layout::split, Q6_K, a K type): per row and block, the digit sums of
-  // elements 0-15 and of 16-31 as floats, [row][block][2].
+  // elements 0-15 and of 16-31 as floats, laid out as xd but two apiece.
   const float* xsh = nullptr;
   // output [m, n] with row stride ldo; bias [n] or null
   void* out;
@@ -145,7 +146,7 @@ struct QuantRow {
   int64_t k;
   int digits;
   int8_t* q;
-  float* d;
+  float* d;  // d, s and sum of block b at [b * d_stride]
   float* s;
   int32_t* sum;
   int64_t q_stride;
@@ -156,16 +157,27 @@ struct QuantRow {
 // Blocks per activation scale for weights of `qtype`.
 constexpr int act_span(int qtype) { return layout(qtype).kquant ? kSuperBlocks : 1; }
 
-// The AVX-512 row-scaled kernel takes 8-bit activations in tiles of kRowsTile rows: tile T holds
-// rows kRowsTile * T onwards, h of them (kRowsTile, or fewer in the last tile), block by block,
-// each block the h rows' 32 int8 back to back; the scales likewise [T][block][h].  A tile's
-// activations then sit behind one pointer with constant offsets: with a row stride, six row
-// pointers and their per-block address arithmetic spilled general registers in the AVX-512 block loop.
-constexpr int kRowsTile = 6;
+// Quantized activation rows in tiles of `rows` rows: tile T holds rows rows * T onwards, h of
+// them (rows, or fewer in the last tile), block by block, each block the h rows' digit planes back
+// to back; the per-block scales and sums likewise [T][block][h].  Row r's block b is at
+// q(r) + b * h * block_bytes() and its scale at d(r) + b * h.  The AVX-512 kernels take the rows of
+// a tile (or of a part of one) behind one pointer with constant offsets: with a row stride, the row
+// pointers and their per-block address arithmetic spilled general registers in their block loops.
+// rows = 1 is plain row after row, as the scalar and AVX2 paths take them.
+struct ActTiles {
+  int rows;
+  int64_t k;
+  int digits;
+  int nb() const { return static_cast<int>(k / kBlock); }
+  int block_bytes() const { return kBlock * digits; }
+  int height(int m, int r) const { return std::min(rows, m - r / rows * rows); }
+  int64_t q(int r) const { return static_cast<int64_t>(r / rows) * rows * k * digits + r % rows * block_bytes(); }
+  int64_t d(int r) const { return static_cast<int64_t>(r / rows) * rows * nb() + r % rows; }
+};
 
-inline int rows_tile_height(int m, int r) { return std::min(kRowsTile, m - r / kRowsTile * kRowsTile); }
-inline int64_t rows_tiled_q(int64_t k, int r) { return r / kRowsTile * kRowsTile * k + r % kRowsTile * kBlock; }
-inline int64_t rows_tiled_d(int nb, int r) { return static_cast<int64_t>(r / kRowsTile) * kRowsTile * nb + r % kRowsTile; }
+// The tile heights: the row-scaled kernel's (8-bit activations) and the block kernel's by digits.
+constexpr int kRowsTile = 6;
+constexpr int block_tile_rows(int digits) { return digits == 1 ? 8 : 4; }
 
 // Per-row 15-bit activations (Problem::act_rows16), for AMX's A tiles: tiles of 16 rows (the last
 // one padded to 16 in the scratch), each a run of 64-k chunks, each chunk the 16 rows' high digits
@@ -204,8 +216,8 @@ void quantize_row_scalar(const QuantRow& r) {
         sum += q;
       }
       r.d[b * r.d_stride] = d;
-      r.sum[b] = sum;
-      r.s[b] = (r.span == 1 ? d : 1.f) * static_cast<float>(sum);
+      r.sum[b * r.d_stride] = sum;
+      r.s[b * r.d_stride] = (r.span == 1 ? d : 1.f) * static_cast<float>(sum);
     }
   }
 }
@@ -337,9 +349,10 @@ void rows_group_scalar(const Problem& p, int64_t g) {
   const int rows_valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(kRowsBlockBytes);
   for (int t = 0; t < p.m; ++t) {
-    const int h = rows_tile_height(p.m, t);
-    const int8_t* xq = p.xq + rows_tiled_q(p.k, t);
-    const float* xd = p.xd + rows_tiled_d(p.nb, t);
+    const ActTiles tiles{kRowsTile, p.k, 1};
+    const int h = tiles.height(p.m, t);
+    const int8_t* xq = p.xq + tiles.q(t);
+    const float* xd = p.xd + tiles.d(t);
     for (int r = 0; r < rows_valid; ++r) {
       float acc = 0.f;
       for (int b = 0; b < p.nb; ++b) {
@@ -454,14 +467,19 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void quantize_row_avx512(const QuantRo
       sum.pair(i, t[0], t[1]);
     }
     const __m512 sums = sum.finish();
+    const __m512 s = r.span == 1 ? _mm512_mul_ps(d, sums) : sums;
     if (r.d_stride == 1) {
       _mm512_storeu_ps(r.d + b, d);
+      _mm512_storeu_ps(r.s + b, s);
+      _mm512_storeu_si512(r.sum + b, _mm512_cvtps_epi32(sums));
     } else {
-      const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-      _mm512_i32scatter_ps(r.d + b * r.d_stride, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(r.d_stride)), d, 4);
+      const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(r.d_stride));
+      const int64_t first = static_cast<int64_t>(b) * r.d_stride;
+      _mm512_i32scatter_ps(r.d + first, at, d, 4);
+      _mm512_i32scatter_ps(r.s + first, at, s, 4);
+      _mm512_i32scatter_epi32(r.sum + first, at, _mm512_cvtps_epi32(sums), 4);
     }
-    _mm512_storeu_si512(r.sum + b, _mm512_cvtps_epi32(sums));
-    _mm512_storeu_ps(r.s + b, r.span == 1 ? _mm512_mul_ps(d, sums) : sums);
   }
   for (; b < nb; b += r.span) {
     __m512 mx = _mm512_setzero_ps();
@@ -472,8 +490,8 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void quantize_row_avx512(const QuantRo
     for (int i = b; i < b + r.span; ++i) {
       const int32_t sum = _mm512_reduce_add_epi32(quantize_block_avx512(r, i, load(i, 0), load(i, 1), id));
       r.d[i * r.d_stride] = d;
-      r.sum[i] = sum;
-      r.s[i] = (r.span == 1 ? d : 1.f) * static_cast<float>(sum);
+      r.sum[i * r.d_stride] = sum;
+      r.s[i * r.d_stride] = (r.span == 1 ? d : 1.f) * static_cast<float>(sum);
     }
   }
 }
@@ -615,6 +633,10 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
   const int nb = p.nb;
   const int64_t gstride = static_cast<int64_t>(nb) * p.gbytes;
   const uint8_t* wg = p.w + g * gstride;
+  const ActTiles tiles{p.xtile, p.k, DIGITS};
+  const int h = tiles.height(p.m, t0);  // rows t0 .. t0 + MT in a tile of h: block b's at xt + b * h rows
+  const int8_t* xt = p.xq + tiles.q(t0);
+  const int64_t dt = tiles.d(t0);
   // K types: sb sums a super-block's terms without the activation scale (shared by its blocks,
   // act_span), which multiplies the sum once, into `out`, at the super-block's end.  `out` stays
   // in memory, read and written once a super-block, so that the 8-row tile's registers hold the sums.
@@ -665,7 +687,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
       }
       const int h0 = L.split ? 0 : c % kSums, h1 = L.split ? 1 : h0;
       for (int t = 0; t < MT; ++t) {
-        const int8_t* xb = p.xq + (t0 + t) * p.ldq + b * kBlock * DIGITS;
+        const int8_t* xb = xt + (static_cast<int64_t>(b) * h + t) * kBlock * DIGITS;
         for (int d = 0; d < DIGITS; ++d) {
           const int32_t* xw = reinterpret_cast<const int32_t*>(xb + d * kBlock);
           if (NG == 1) {
@@ -687,7 +709,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
       __m512 dv[2], mv[2];
       for (int h = 0; h < (L.split ? 2 : 1); ++h) block_scales_avx512<QT>(bi, h, dv[h], mv[h]);
       for (int t = 0; t < MT; ++t) {
-        const int64_t row = t0 + t, tb = row * nb + b;
+        const int64_t tb = dt + static_cast<int64_t>(b) * h + t;
         __m512i dsum[kSums];  // the digits combined
         for (int h = 0; h < kSums; ++h)
           dsum[h] = DIGITS == 2 ? _mm512_add_epi32(_mm512_slli_epi32(s[i][t][0][h], 7), s[i][t][DIGITS - 1][h]) : s[i][t][0][h];
@@ -730,8 +752,9 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_range_qt_avx512(const Probl
     return;
   }
   // Tiles of 8 rows with 8-bit activations (each weight chunk unpacked once for 8 rows), of 4 with
-  // 15-bit ones (two digit planes: the sums of more rows no longer fit the registers).
-  constexpr int kTile = DIGITS == 1 ? 8 : 4;
+  // 15-bit ones (two digit planes: the sums of more rows no longer fit the registers); the
+  // activations are quantized into tiles of the same height (Problem::xtile).
+  constexpr int kTile = block_tile_rows(DIGITS);
   const int passes = p.m / 4 + (p.m % 4 != 0) - (DIGITS == 1 ? p.m / 8 : 0);
   for (int64_t g = g0; g < g1; ++g) {
     int t = 0, pass = 0;
@@ -768,8 +791,9 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void rows_tile_avx512(const Problem& p
   const int nb = p.nb;
   const int64_t gstride = static_cast<int64_t>(nb) * kRowsBlockBytes;
   const uint8_t* wg = p.w + g * gstride;
-  const int8_t* xt = p.xq + rows_tiled_q(p.k, t0);  // this tile (MT rows), block by block
-  const float* dt = p.xd + rows_tiled_d(nb, t0);
+  const ActTiles tiles{kRowsTile, p.k, 1};
+  const int8_t* xt = p.xq + tiles.q(t0);  // this tile (MT rows), block by block
+  const float* dt = p.xd + tiles.d(t0);
   __m512 acc[NG][MT];
   for (int i = 0; i < NG; ++i)
     for (int t = 0; t < MT; ++t) acc[i][t] = _mm512_setzero_ps();
@@ -887,8 +911,8 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX2) void quantize_row_avx2(const QuantRow& r) {
     }
     const int32_t s = cpuserve::Vec256::hsum_i32(sum);
     r.d[b * r.d_stride] = d;
-    r.sum[b] = s;
-    r.s[b] = (r.span == 1 ? d : 1.f) * static_cast<float>(s);
+    r.sum[b * r.d_stride] = s;
+    r.s[b * r.d_stride] = (r.span == 1 ? d : 1.f) * static_cast<float>(s);
   }
 }
 
@@ -1030,6 +1054,9 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
   p.m = static_cast<int>(m);
   p.digits = digits;
   p.ldq = k * digits;
+  // The activations' layout: the row-scaled kernels' tiles, the AVX-512 block kernel's, or rows.
+  p.xtile = row_corrections ? kRowsTile : (!p.act_rows16 && isa == kAvx512Vnni) ? block_tile_rows(digits) : 1;
+  const ActTiles tiles{p.xtile, k, digits};
   p.xq = scratch.q.data();
   p.xd = scratch.d.data();
   p.xs = scratch.s.data();
@@ -1053,15 +1080,11 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
         quantize_row16_scalar(xbase + r * xrow_bytes, bf16, k, q, scratch.d.data() + r, scratch.sum.data() + 2 * r);
       return;
     }
-    QuantRow qr{xbase + r * xrow_bytes, bf16, k, digits, scratch.q.data() + r * k * digits, scratch.d.data() + r * nb,
-                scratch.s.data() + r * nb, scratch.sum.data() + r * nb, kBlock * digits, 1, act_span(p.qtype)};
-    if (row_corrections) {  // the row-scaled kernels' tiled layout
-      const int h = rows_tile_height(static_cast<int>(m), static_cast<int>(r));
-      qr.q = scratch.q.data() + rows_tiled_q(k, static_cast<int>(r));
-      qr.d = scratch.d.data() + rows_tiled_d(nb, static_cast<int>(r));
-      qr.q_stride = static_cast<int64_t>(h) * kBlock;
-      qr.d_stride = h;
-    }
+    const int row = static_cast<int>(r), h = tiles.height(static_cast<int>(m), row);
+    const int64_t at = tiles.d(row);
+    const QuantRow qr{xbase + r * xrow_bytes, bf16, k, digits, scratch.q.data() + tiles.q(row), scratch.d.data() + at,
+                      scratch.s.data() + at, scratch.sum.data() + at, static_cast<int64_t>(h) * tiles.block_bytes(), h,
+                      act_span(p.qtype)};
     if (isa >= kAvx512Vnni)
       quantize_row_avx512(qr);
     else if (isa >= kAvx2)
@@ -1073,12 +1096,12 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
         const int8_t* qb = qr.q + b * qr.q_stride;
         int32_t first = 0;
         for (int i = 0; i < 16; ++i) first += digits == 2 ? 128 * qb[i] + qb[kBlock + i] : qb[i];
-        scratch.sh[2 * (r * nb + b)] = static_cast<float>(first);
-        scratch.sh[2 * (r * nb + b) + 1] = static_cast<float>(qr.sum[b] - first);
+        scratch.sh[2 * (at + b * h)] = static_cast<float>(first);
+        scratch.sh[2 * (at + b * h) + 1] = static_cast<float>(qr.sum[b * h] - first);
       }
     if (row_corrections) {
       float c = 0.f;
-      for (int i = 0; i < nb; ++i) c += qr.s[i];
+      for (int i = 0; i < nb; ++i) c += qr.s[i * h];
       scratch.corr[r] = 128.f * c;
     }
   };
