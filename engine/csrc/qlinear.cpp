@@ -59,9 +59,10 @@ struct Problem {
   const float* xd;
   const float* xs;
   const int32_t* xsum;
-  // Split types only (Layout::split, Q6_K, a K type): per row and block, the digit sums of
-  // elements 0-15 and of 16-31 as floats, laid out as xd but two apiece.
-  const float* xsh = nullptr;
+  // Split types only (Layout::split, Q6_K, a K type): per row and block, the zero offset times
+  // the digit sums of elements 0-15 and of 16-31, laid out as xd but two apiece: taken off the
+  // halves' integer sums, as Q8_0's 128 * xsum is, so that q - zero costs no float work.
+  const int32_t* xsh = nullptr;
   // output [m, n] with row stride ldo; bias [n] or null
   void* out;
   int64_t ldo;
@@ -292,8 +293,8 @@ inline void dot_scalar(const uint8_t* q, const int8_t* xb, int32_t dot[2]) {
 
 // The scalar reference of every block type: per row and block the integer dot product of the
 // unsigned quants, then the float steps the SIMD kernels take (Q8_0: remove 128 * sum(x_q) in
-// integers; the rest: the dot times d * xd plus the offset m - zero * d times xd * sum(x_q), per
-// half for split types).  K types share xd over a super-block (act_span): there the block's terms
+// integers, and split types 32 * each half's sum, then the dot times d * xd; the rest: the dot
+// times d * xd plus the offset m - zero * d times xd * sum(x_q)).  K types share xd over a super-block (act_span): there the block's terms
 // go without it into a super-block sum, which meets xd once, at the super-block's end.
 void group_scalar(const Problem& p, int64_t g) {
   const int rows_valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
@@ -322,11 +323,8 @@ void group_scalar(const Problem& p, int64_t g) {
           const float d = row_scale(br, p.qtype, r, 0).d;
           acc[r] += static_cast<float>(dot[0] + dot[1] - 128 * p.xsum[tb]) * (d * xd);
         } else if (L.split) {
-          for (int h = 0; h < 2; ++h) {
-            const float d = row_scale(br, p.qtype, r, h).d;
-            acc[r] = std::fma(static_cast<float>(dot[h]), d * xd, acc[r]);
-            acc[r] = std::fma(d * static_cast<float>(-L.zero), p.xsh[2 * tb + h], acc[r]);
-          }
+          for (int h = 0; h < 2; ++h)
+            acc[r] = std::fma(static_cast<float>(dot[h] - p.xsh[2 * tb + h]), row_scale(br, p.qtype, r, h).d * xd, acc[r]);
         } else {
           const RowScale rs = row_scale(br, p.qtype, r, 0);
           const float m = L.has_m ? rs.m : rs.d * static_cast<float>(-L.zero);
@@ -715,10 +713,8 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
           dsum[h] = DIGITS == 2 ? _mm512_add_epi32(_mm512_slli_epi32(s[i][t][0][h], 7), s[i][t][DIGITS - 1][h]) : s[i][t][0][h];
         __m512& a = L.kquant ? sb[i][t] : acc[i][t];
         if (L.split) {
-          for (int h = 0; h < 2; ++h) {
-            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum[h]), dv[h], a);
-            a = _mm512_fmadd_ps(mv[h], _mm512_set1_ps(p.xsh[2 * tb + h]), a);
-          }
+          for (int h = 0; h < 2; ++h)
+            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dsum[h], _mm512_set1_epi32(p.xsh[2 * tb + h]))), dv[h], a);
         } else {
           __m512i sum = dsum[0];
           if (kSums == 2) sum = _mm512_add_epi32(sum, dsum[kSums - 1]);
@@ -970,8 +966,8 @@ constexpr int64_t kUnitsPerThread = 64;
 
 struct Scratch {
   std::vector<int8_t> q;
-  std::vector<float> d, s, corr, sh;
-  std::vector<int32_t> sum;
+  std::vector<float> d, s, corr;
+  std::vector<int32_t> sum, sh;
 };
 
 }  // namespace
@@ -1091,13 +1087,14 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
       quantize_row_avx2(qr);
     else
       quantize_row_scalar(qr);
-    if (half_sums)  // the digit sums of each block's two halves (split types' offsets)
+    if (half_sums)  // zero times the digit sums of each block's two halves (split types' offsets)
       for (int b = 0; b < nb; ++b) {
         const int8_t* qb = qr.q + b * qr.q_stride;
         int32_t first = 0;
         for (int i = 0; i < 16; ++i) first += digits == 2 ? 128 * qb[i] + qb[kBlock + i] : qb[i];
-        scratch.sh[2 * (at + b * h)] = static_cast<float>(first);
-        scratch.sh[2 * (at + b * h) + 1] = static_cast<float>(qr.sum[b * h] - first);
+        const int zero = layout(p.qtype).zero;
+        scratch.sh[2 * (at + b * h)] = zero * first;
+        scratch.sh[2 * (at + b * h) + 1] = zero * (qr.sum[b * h] - first);
       }
     if (row_corrections) {
       float c = 0.f;

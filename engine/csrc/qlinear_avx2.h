@@ -140,8 +140,8 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
       __m256& a = L.kquant ? sb[t] : acc[t];
       if (L.split) {
         for (int part = 0; part < 2; ++part) {
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(digits_dot<QT, DIGITS>(w, xb, 4 * part, 4)), dv[part], a);
-          a = _mm256_fmadd_ps(mv[part], _mm256_set1_ps(p.xsh[2 * tb + part]), a);
+          const __m256i dot = digits_dot<QT, DIGITS>(w, xb, 4 * part, 4);
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(p.xsh[2 * tb + part]))), dv[part], a);
         }
       } else {
         __m256i s = digits_dot<QT, DIGITS>(w, xb, 0, 8);
