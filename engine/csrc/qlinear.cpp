@@ -596,7 +596,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512 bytes16_avx512(const uin
 }
 
 // The 16 rows' scale d and offset m - zero * d of group-block `br`, elements [16h, 16h + 16)
-// (row_scale in 16 lanes; the offset multiplies the activation block's xd * sum).
+// (row_scale in 16 lanes; the offset multiplies the activation block's xs).
 template <int QT>
 CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const BlockRef& br, int h, __m512& dv, __m512& mv) {
   constexpr Layout L = layout(QT);
@@ -605,9 +605,9 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const 
     mv = _mm512_castsi512_ps(_mm512_xor_si512(  // -(dmin * min), as row_scale
         _mm512_castps_si512(_mm512_mul_ps(half16_avx512(br.fields + 32), bytes16_avx512(br.fields + 192 + br.sub * 16, false))),
         _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-  } else if (QT == kQ6_K) {
+  } else if (QT == kQ6_K) {  // its offset is taken off in integers (Problem::xsh): no mv
     dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 32 + (2 * br.sub + h) * 16, true));
-    mv = _mm512_mul_ps(dv, _mm512_set1_ps(-static_cast<float>(L.zero)));
+    mv = _mm512_setzero_ps();
   } else {
     dv = half16_avx512(br.fields);
     mv = L.has_m ? half16_avx512(br.fields + 32) : QT == kQ8_0 ? _mm512_setzero_ps() : _mm512_mul_ps(dv, _mm512_set1_ps(-static_cast<float>(L.zero)));
