@@ -136,8 +136,8 @@ constexpr float kQmax8 = 127.f, kQmax16 = 127.f * 128.f;
 // quantizer's rule.
 inline int high_digit(int q) { return static_cast<int>(std::nearbyint(static_cast<float>(q) * (1.f / 128.f))); }
 
-// Where one row's blocks go: block b's digits at q + b * q_stride, its scale at d[b * d_stride];
-// digit sums s and sum are per row, contiguous.  `span` blocks in a run share one scale, that of
+// Where one row's blocks go: block b's digits at q + b * q_stride; its scale d and digit sums s
+// and sum at [b * d_stride] (ActTiles below).  `span` blocks in a run share one scale, that of
 // their joint amax: 1, or kSuperBlocks for K-quant weights (llama.cpp's Q8_K), whose kernels then
 // apply it once per super-block instead of once per block (act_span).  s is the digit sum times
 // the scale a kernel applies per block: d * sum with span 1, the plain sum with a shared scale.
@@ -153,6 +153,8 @@ struct QuantRow {
   int64_t q_stride;
   int d_stride;
   int span = 1;
+  // s for a block of scale d and digit sum `sum`.
+  float s_of(float d, int32_t sum) const { return (span == 1 ? d : 1.f) * static_cast<float>(sum); }
 };
 
 // Blocks per activation scale for weights of `qtype`.
@@ -218,7 +220,7 @@ void quantize_row_scalar(const QuantRow& r) {
       }
       r.d[b * r.d_stride] = d;
       r.sum[b * r.d_stride] = sum;
-      r.s[b * r.d_stride] = (r.span == 1 ? d : 1.f) * static_cast<float>(sum);
+      r.s[b * r.d_stride] = r.s_of(d, sum);
     }
   }
 }
@@ -294,8 +296,9 @@ inline void dot_scalar(const uint8_t* q, const int8_t* xb, int32_t dot[2]) {
 // The scalar reference of every block type: per row and block the integer dot product of the
 // unsigned quants, then the float steps the SIMD kernels take (Q8_0: remove 128 * sum(x_q) in
 // integers, and split types 32 * each half's sum, then the dot times d * xd; the rest: the dot
-// times d * xd plus the offset m - zero * d times xd * sum(x_q)).  K types share xd over a super-block (act_span): there the block's terms
-// go without it into a super-block sum, which meets xd once, at the super-block's end.
+// times d * xd plus the offset m - zero * d times xd * sum(x_q)).  K types share xd over a
+// super-block (act_span): there the block's terms go without it into a super-block sum, which
+// meets xd once, at the super-block's end.  Rows are row after row here (Problem::xtile 1).
 void group_scalar(const Problem& p, int64_t g) {
   const int rows_valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - g * kGroupRows));
   const uint8_t* wg = p.w + g * p.nb * static_cast<int64_t>(p.gbytes);
@@ -489,7 +492,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void quantize_row_avx512(const QuantRo
       const int32_t sum = _mm512_reduce_add_epi32(quantize_block_avx512(r, i, load(i, 0), load(i, 1), id));
       r.d[i * r.d_stride] = d;
       r.sum[i * r.d_stride] = sum;
-      r.s[i * r.d_stride] = (r.span == 1 ? d : 1.f) * static_cast<float>(sum);
+      r.s[i * r.d_stride] = r.s_of(d, sum);
     }
   }
 }
@@ -639,12 +642,9 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
   // act_span), which multiplies the sum once, into `out`, at the super-block's end.  `out` stays
   // in memory, read and written once a super-block, so that the 8-row tile's registers hold the sums.
   __m512 acc[NG][MT], sb[NG][MT];
-  alignas(64) float out[L.kquant ? NG : 1][L.kquant ? MT : 1][16];
+  alignas(64) float out[NG][MT][16] = {};
   for (int i = 0; i < NG; ++i)
-    for (int t = 0; t < MT; ++t) {
-      acc[i][t] = sb[i][t] = _mm512_setzero_ps();
-      if (L.kquant) _mm512_store_ps(out[i][t], acc[i][t]);
-    }
+    for (int t = 0; t < MT; ++t) acc[i][t] = sb[i][t] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   // The same block of the NG groups the next tile reads, into L2, spread over the passes (as the
   // row-int8 kernel below does): a fixed distance ahead of each of the NG interleaved streams
@@ -723,9 +723,11 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
           a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), L.kquant ? dv[0] : _mm512_mul_ps(dv[0], _mm512_set1_ps(p.xd[tb])), a);
           if (QT != kQ8_0) a = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(p.xs[tb]), a);
         }
-        if (L.kquant && br.sub == kSuperBlocks - 1) {
-          _mm512_store_ps(out[i][t], _mm512_fmadd_ps(sb[i][t], _mm512_set1_ps(p.xd[tb]), _mm512_load_ps(out[i][t])));
-          sb[i][t] = _mm512_setzero_ps();
+        if constexpr (L.kquant) {
+          if (br.sub == kSuperBlocks - 1) {
+            _mm512_store_ps(out[i][t], _mm512_fmadd_ps(sb[i][t], _mm512_set1_ps(p.xd[tb]), _mm512_load_ps(out[i][t])));
+            sb[i][t] = _mm512_setzero_ps();
+          }
         }
       }
     }
@@ -733,7 +735,10 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
   for (int i = 0; i < NG; ++i) {
     const int64_t col = (g + i) * kGroupRows;
     const int valid = static_cast<int>(std::min<int64_t>(kGroupRows, p.n - col));
-    for (int t = 0; t < MT; ++t) store16_avx512(p, t0 + t, col, valid, L.kquant ? _mm512_load_ps(out[i][t]) : acc[i][t]);
+    for (int t = 0; t < MT; ++t) {
+      if constexpr (L.kquant) acc[i][t] = _mm512_load_ps(out[i][t]);
+      store16_avx512(p, t0 + t, col, valid, acc[i][t]);
+    }
   }
 }
 
@@ -908,7 +913,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX2) void quantize_row_avx2(const QuantRow& r) {
     const int32_t s = cpuserve::Vec256::hsum_i32(sum);
     r.d[b * r.d_stride] = d;
     r.sum[b * r.d_stride] = s;
-    r.s[b * r.d_stride] = (r.span == 1 ? d : 1.f) * static_cast<float>(s);
+    r.s[b * r.d_stride] = r.s_of(d, s);
   }
 }
 
@@ -1088,11 +1093,10 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
     else
       quantize_row_scalar(qr);
     if (half_sums)  // zero times the digit sums of each block's two halves (split types' offsets)
-      for (int b = 0; b < nb; ++b) {
+      for (int b = 0, zero = layout(p.qtype).zero; b < nb; ++b) {
         const int8_t* qb = qr.q + b * qr.q_stride;
         int32_t first = 0;
         for (int i = 0; i < 16; ++i) first += digits == 2 ? 128 * qb[i] + qb[kBlock + i] : qb[i];
-        const int zero = layout(p.qtype).zero;
         scratch.sh[2 * (at + b * h)] = zero * first;
         scratch.sh[2 * (at + b * h) + 1] = zero * (qr.sum[b * h] - first);
       }
