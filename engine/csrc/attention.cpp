@@ -7,8 +7,10 @@
 //   amx      AMX-BF16 tiles for Q K^T and P V (units of >= amx_min_rows() query rows:
 //            prefill tiles and decode GQA groups); smaller units take vec512
 //   amx_emu  the amx path on a software model of the tiles (tests on non-AMX hosts)
-// The tile loop is in attention_common.h; per-ISA tile operations in attention_vec512.h,
-// attention_vec256.h and attention_amx.h.  Every ISA function carries its own GCC target,
+// The tile loop is in attention_common.h; the fp32-FMA tile operations are written once over a
+// vector type in attention_fma_impl.h, stamped out for AVX2 and AVX-512 in attention_vec256.h and
+// attention_vec512.h beside each ISA's own specialisations (dpbf16 and VNNI products, in-place
+// decode reads), and the AMX tiles in attention_amx.h.  Every ISA function carries its own GCC target,
 // so this file builds without -march flags and runs on any x86-64 CPU.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -223,7 +225,7 @@ UnitFn unit_fn(Isa isa, const AttnParams& p, int R) {
     case Isa::kAvx2:
       if (bf16 && p.kv_kind == KvKind::kSame && R <= v256::DecodeOps::kMaxRows) return &run_unit<v256::DecodeOps>;
       if (p.kv_kind == KvKind::kI8 && R <= v256::Int8DecodeOps::kMaxRows) return &run_unit<v256::Int8DecodeOps>;
-      return &run_unit<v256::Ops>;
+      return &run_unit<v256::F32Ops>;
     case Isa::kAvx512Bf16:
       break;
   }

@@ -1,6 +1,7 @@
 // Shared definitions of the paged-attention kernels (attention.cpp): parameters,
 // per-thread scratch, and the tile loop every ISA runs.  Compiled for the baseline
-// target: the per-ISA work (attention_vec512.h, attention_vec256.h, attention_amx.h)
+// target: the per-ISA work (attention_fma_impl.h stamped out in attention_vec512.h and
+// attention_vec256.h, beside their own specialisations; attention_amx.h)
 // sits in functions with their own GCC target, called once per 32-key tile.
 //
 // Algorithm (flash attention over the paged cache):

@@ -1,10 +1,7 @@
-// AVX2 + FMA paged-attention tile operations (see attention_common.h for the loop).
-//
-// Everything is computed in fp32: bf16 queries/caches are widened (a 16-bit shift),
-// fp8 caches dequantised through F16C (x * scale, rounded to the model dtype as the
-// reference does).  K tiles are transposed to [D][32 keys] so a broadcast query
-// element times one row of the tile adds to 8 keys' scores per FMA; V rows stay in
-// natural order and a broadcast probability times a V row adds to 8 outputs.
+// AVX2 + FMA paged-attention tile operations (see attention_common.h for the loop): the fp32
+// tiles of attention_fma_impl.h over Vec256 (F32Ops), and decode units that read the cache rows
+// in place (DecodeOps for bf16, Int8DecodeOps for int8 caches).  fp8 caches are dequantised
+// through F16C.
 #pragma once
 
 #include <immintrin.h>
@@ -23,233 +20,52 @@ namespace cpuserve_attn {
 namespace v256 {
 
 using cpuserve::Vec256;
+using V = Vec256;
 
 // exp(x) for x <= 0 (softmax): exactly 0 below -87, where Vec256::exp stops at e^-87.
 static inline __m256 exp_ps(__m256 x) {
   return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), Vec256::exp(x));
 }
 
-static inline void transpose8(__m256 r[8]) {
-  __m256 t[8], s[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    s[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20);
-    r[c + 4] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
-  }
-}
-
-// One row of D values of the cache (or query) in `kind` / model dtype -> fp32 row of Dp.
-// `round_bf16`: fp8 values scaled then rounded to bf16, as the reference does for bf16 models.
-static inline void row_to_f32(const uint8_t* src, bool src_bf16, KvKind kind, float scale, bool round_bf16, int D, int Dp,
-                              float* dst) {
-  int d = 0;
-  if (kind != KvKind::kSame) {
-    const __m256 sc = _mm256_set1_ps(scale);
-    for (; d < D; d += 8) {
-      __m256 f = _mm256_mul_ps(Vec256::widen8(src + d, elem8(kind)), sc);
-      if (round_bf16) f = Vec256::widen_bf16(Vec256::to_bf16(f));
-      _mm256_store_ps(dst + d, f);
-    }
-  } else if (src_bf16) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-    for (; d < D; d += 8) _mm256_store_ps(dst + d, Vec256::load_bf16_ps(s + d));
-  } else {
-    const float* s = reinterpret_cast<const float*>(src);
-    for (; d < D; d += 8) _mm256_store_ps(dst + d, _mm256_loadu_ps(s + d));
-  }
-  for (; d < Dp; d += 8) _mm256_store_ps(dst + d, _mm256_setzero_ps());
-}
-
-// C[r][0, 16) = (alpha ? C[r][0, 16) * alpha[r] : 0) + sum over i < n of A[r][i] * B[i][0, 16), for RB
-// rows (row strides lda, ldb, ldc): K . q (A the queries, B the transposed keys, zero start) and
-// P . V (A the probabilities, B the values, the running output rescaled) are both this product.
-template <int RB>
-static inline void rows_x_panel16(const float* A, int lda, const float* B, int ldb, int n, float* C, int ldc, const float* alpha) {
-  __m256 acc[RB][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
-    if (alpha == nullptr) {
-      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    } else {
-      const __m256 a = _mm256_set1_ps(alpha[r]);
-      acc[r][0] = _mm256_mul_ps(_mm256_load_ps(C + r * ldc), a);
-      acc[r][1] = _mm256_mul_ps(_mm256_load_ps(C + r * ldc + 8), a);
-    }
-  }
-  for (int i = 0; i < n; ++i) {
-    const __m256 b0 = _mm256_load_ps(B + i * ldb);
-    const __m256 b1 = _mm256_load_ps(B + i * ldb + 8);
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
-      const __m256 ab = _mm256_broadcast_ss(A + r * lda + i);
-      acc[r][0] = _mm256_fmadd_ps(ab, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(ab, b1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
-    _mm256_store_ps(C + r * ldc, acc[r][0]);
-    _mm256_store_ps(C + r * ldc + 8, acc[r][1]);
-  }
-}
-
-struct Ops {
-  static void begin(const AttnParams&, Scratch&, int) {}
-  static void end() {}
-
-  __attribute__((noinline)) static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
-    (void)ntok;
-    float* q = static_cast<float*>(s.q);
-    const int64_t esz = p.model_bf16 ? 2 : 4;
-    const uint8_t* src = static_cast<const uint8_t*>(p.q);
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* row = src + q_offset(p, tok, kvh, r) * esz;
-      row_to_f32(row, p.model_bf16, KvKind::kSame, 1.f, false, p.D, p.Dp, q + static_cast<int64_t>(r) * p.Dp);
-    }
-  }
-
-  __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
-    const uint8_t* rows[KT];
-    gather_rows(p, bt_row, kvh, k0, n, rows);
-    const int D = p.D, Dp = p.Dp;
-    const bool cache_bf16 = p.kv_kind == KvKind::kSame && p.model_bf16;
-    const bool need_k_copy = !(p.kv_kind == KvKind::kSame && !p.model_bf16);
-    const float* krows[KT];
-    float* v = static_cast<float*>(s.v);
-    float* krow = static_cast<float*>(s.krow);
-    for (int i = 0; i < KT; ++i) {
-      float* vd = v + i * Dp;
-      if (i >= n) {
-        krows[i] = nullptr;
-        for (int d = 0; d < Dp; d += 8) _mm256_store_ps(vd + d, _mm256_setzero_ps());
-        continue;
-      }
-      const uint8_t* base = rows[i];
-      const uint8_t* vbase = base + D * p.kv_elt;
-      if (need_k_copy) {
-        row_to_f32(base, cache_bf16, p.kv_kind, row_k_scale(p, base), p.model_bf16, D, Dp, krow + i * Dp);
-        krows[i] = krow + i * Dp;
-      } else {
-        krows[i] = reinterpret_cast<const float*>(base);
-      }
-      row_to_f32(vbase, cache_bf16, p.kv_kind, row_v_scale(p, base), p.model_bf16, D, Dp, vd);
-    }
-    float* kt = static_cast<float*>(s.kt);
-    for (int h = 0; h < KT / 8; ++h) {
-      if (h * 8 >= n) {
-        for (int d = 0; d < D; ++d) _mm256_store_ps(kt + d * KT + h * 8, _mm256_setzero_ps());
-        continue;
-      }
-      for (int c = 0; c < D / 8; ++c) {
-        __m256 r[8];
-        for (int i = 0; i < 8; ++i) {
-          const float* row = krows[h * 8 + i];
-          r[i] = row ? _mm256_loadu_ps(row + c * 8) : _mm256_setzero_ps();
-        }
-        transpose8(r);
-        for (int j = 0; j < 8; ++j) _mm256_store_ps(kt + (c * 8 + j) * KT + h * 8, r[j]);
-      }
-    }
-  }
-
-  __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
-    const float* q = static_cast<const float*>(s.q);
-    const float* kt = static_cast<const float*>(s.kt);
-    const int qs = p.Dp, D = p.D;
-    for (int h = 0; h < KT / 16; ++h) {
-      if (h * 16 >= n) {  // no visible keys in this half: scores are masked anyway
-        for (int r = 0; r < R; ++r) {
-          _mm256_store_ps(s.S + r * KT + h * 16, _mm256_setzero_ps());
-          _mm256_store_ps(s.S + r * KT + h * 16 + 8, _mm256_setzero_ps());
-        }
-        continue;
-      }
-      int r0 = 0;
-      for (; r0 + 6 <= R; r0 += 6) rows_x_panel16<6>(q + r0 * qs, qs, kt + h * 16, KT, D, s.S + r0 * KT + h * 16, KT, nullptr);
-      float* S = s.S + r0 * KT + h * 16;
-      const float* qr = q + r0 * qs;
-      if (r0 < R)
-        with_rows_upto<5>(R - r0, [&](auto rows) { rows_x_panel16<decltype(rows)::value>(qr, qs, kt + h * 16, KT, D, S, KT, nullptr); });
-    }
-  }
-
-  __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
-    const __m256 scale = _mm256_set1_ps(p.scale);
-    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    float* P = static_cast<float*>(s.P);
-    for (int r = 0; r < R; ++r) {
-      __m256 x[4];
-      for (int c = 0; c < 4; ++c) x[c] = _mm256_mul_ps(_mm256_load_ps(s.S + r * KT + 8 * c), scale);
-      if (masked) {
-        const int lim = std::min(n, s.pos[r] - k0 + 1);
-        for (int c = 0; c < 4; ++c) {
-          const __m256i vis = _mm256_cmpgt_epi32(_mm256_set1_epi32(lim - 8 * c), lane);
-          x[c] = _mm256_blendv_ps(ninf, x[c], _mm256_castsi256_ps(vis));
-        }
-      }
-      const float mx = Vec256::hmax(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
-      const float m_old = s.m[r];
-      const float m_new = std::max(m_old, mx);
-      if (m_new == -std::numeric_limits<float>::infinity()) {
-        s.alpha[r] = 1.f;
-        for (int c = 0; c < 4; ++c) _mm256_store_ps(P + r * KT + 8 * c, _mm256_setzero_ps());
-        continue;
-      }
-      const float alpha = std::exp(m_old - m_new);
-      const __m256 mn = _mm256_set1_ps(m_new);
-      __m256 sum = _mm256_setzero_ps();
+// Online softmax of one tile, row by row: s.S (unscaled scores) -> s.P (fp32), s.alpha, s.m, s.l.
+static inline void fp32_softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
+  const __m256 scale = _mm256_set1_ps(p.scale);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  float* P = static_cast<float*>(s.P);
+  for (int r = 0; r < R; ++r) {
+    __m256 x[4];
+    for (int c = 0; c < 4; ++c) x[c] = _mm256_mul_ps(_mm256_load_ps(s.S + r * KT + 8 * c), scale);
+    if (masked) {
+      const int lim = std::min(n, s.pos[r] - k0 + 1);
       for (int c = 0; c < 4; ++c) {
-        const __m256 pc = exp_ps(_mm256_sub_ps(x[c], mn));
-        sum = _mm256_add_ps(sum, pc);
-        _mm256_store_ps(P + r * KT + 8 * c, pc);
+        const __m256i vis = _mm256_cmpgt_epi32(_mm256_set1_epi32(lim - 8 * c), lane);
+        x[c] = _mm256_blendv_ps(ninf, x[c], _mm256_castsi256_ps(vis));
       }
-      s.l[r] = s.l[r] * alpha + Vec256::hsum(sum);
-      s.m[r] = m_new;
-      s.alpha[r] = alpha;
     }
+    const float mx = Vec256::hmax(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
+    const float m_old = s.m[r];
+    const float m_new = std::max(m_old, mx);
+    if (m_new == -std::numeric_limits<float>::infinity()) {
+      s.alpha[r] = 1.f;
+      for (int c = 0; c < 4; ++c) _mm256_store_ps(P + r * KT + 8 * c, _mm256_setzero_ps());
+      continue;
+    }
+    const float alpha = std::exp(m_old - m_new);
+    const __m256 mn = _mm256_set1_ps(m_new);
+    __m256 sum = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      const __m256 pc = exp_ps(_mm256_sub_ps(x[c], mn));
+      sum = _mm256_add_ps(sum, pc);
+      _mm256_store_ps(P + r * KT + 8 * c, pc);
+    }
+    s.l[r] = s.l[r] * alpha + Vec256::hsum(sum);
+    s.m[r] = m_new;
+    s.alpha[r] = alpha;
   }
+}
 
-  __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
-    const int Dp = p.Dp, D = p.D;
-    const float* P = static_cast<const float*>(s.P);
-    const float* v = static_cast<const float*>(s.v);
-    for (int r0 = 0; r0 < R; r0 += 6) {
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        const float* Pr = P + r0 * KT;
-        float* Or = s.O + static_cast<int64_t>(r0) * Dp + d0;
-        const float* al = s.alpha + r0;
-        with_rows_upto<6>(R - r0, [&](auto rows) { rows_x_panel16<decltype(rows)::value>(Pr, KT, v + d0, Dp, n, Or, Dp, al); });
-      }
-    }
-  }
-
-  __attribute__((noinline)) static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
-    (void)ntok;
-    for (int r = 0; r < R; ++r) {
-      const int64_t off = o_offset(p, tok, kvh, r);
-      const __m256 inv = _mm256_set1_ps(1.0f / s.l[r]);
-      const float* o = s.O + static_cast<int64_t>(r) * p.Dp;
-      if (p.model_bf16) {
-        uint16_t* dst = static_cast<uint16_t*>(p.out) + off;
-        for (int d = 0; d < p.D; d += 8)
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), Vec256::to_bf16(_mm256_mul_ps(_mm256_load_ps(o + d), inv)));
-      } else {
-        float* dst = static_cast<float*>(p.out) + off;
-        for (int d = 0; d < p.D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(o + d), inv));
-      }
-    }
-  }
-};
+#include "attention_fma_impl.h"
 
 // Decode: few query rows (one token's GQA group, R <= kMaxRows), bf16 model and cache.
 // The tile path above widens every K and V row to fp32 in scratch and transposes K, which
@@ -327,45 +143,6 @@ static inline void qk_direct(const float* q, int qs, const void* const* krows, i
   }
 }
 
-// O[:, d0 : d0 + 8 NV] = O * alpha + P V for RB rows (V bf16, or I8: int8 with P already scaled).
-template <int RB, int NV, bool I8 = false>
-static inline void pv_direct_pass(const float* P, const void* const* vrows, int d0, int Dp, int n, float* O,
-                                  const float* alpha) {
-  __m256 acc[RB][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
-    const __m256 a = _mm256_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_mul_ps(_mm256_load_ps(O + r * Dp + d0 + 8 * c), a);
-  }
-  for (int j = 0; j < n; ++j) {
-    __m256 vv[NV];
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c)
-      vv[c] = I8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(vrows[j]) + d0 + 8 * c))))
-                 : Vec256::load_bf16_ps(static_cast<const uint16_t*>(vrows[j]) + d0 + 8 * c);
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
-      const __m256 pb = _mm256_broadcast_ss(P + r * KT + j);
-#pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_fmadd_ps(pb, vv[c], acc[r][c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) _mm256_store_ps(O + r * Dp + d0 + 8 * c, acc[r][c]);
-}
-
-template <int RB, bool I8 = false>
-static inline void pv_direct(const float* P, const void* const* vrows, int D, int Dp, int n, float* O, const float* alpha) {
-  constexpr int NV = RB <= 2 ? 4 : RB <= 6 ? 2 : 1;  // accumulators fit the 16 ymm registers
-  int d0 = 0;
-  for (; d0 + 8 * NV <= D; d0 += 8 * NV) pv_direct_pass<RB, NV, I8>(P, vrows, d0, Dp, n, O, alpha);
-  for (; d0 < D; d0 += 8) pv_direct_pass<RB, 1, I8>(P, vrows, d0, Dp, n, O, alpha);
-}
-
 // I8: an int8 cache (any model dtype), read in place the same way: its rows widened to fp32 in
 // registers (two instructions per 8 values, as for bf16) at half the bytes; each key's K scale
 // multiplies its scores and its V scale its probabilities.
@@ -418,7 +195,7 @@ struct DecodeOpsT {
   }
 
   static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
-    Ops::softmax(p, s, R, k0, n, masked);
+    F32Ops::softmax(p, s, R, k0, n, masked);
   }
 
   __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
@@ -431,7 +208,7 @@ struct DecodeOpsT {
   }
 
   static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
-    Ops::store(p, s, tok, ntok, kvh, R);
+    F32Ops::store(p, s, tok, ntok, kvh, R);
   }
 };
 using DecodeOps = DecodeOpsT<false>;

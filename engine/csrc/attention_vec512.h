@@ -7,7 +7,8 @@
 // pairs interleaved, v[j][d] = (V[2j][d], V[2j+1][d]), so one dpbf16 of a broadcast
 // probability pair adds two keys to 16 outputs.  These are exactly AMX's B-tile
 // (VNNI) layouts, which is why the AMX path reuses load_q/prep_kv/softmax/store.
-// fp32 model dtype (F32Ops): the same tiles in fp32 with FMAs (V rows untouched).
+// fp32 model dtype, and bf16 where FMAs beat dpbf16 (F32Ops, attention_fma_impl.h over Vec512):
+// the same products in fp32 FMAs on a transposed fp32 K tile (V rows in natural order).
 // fp8 caches are dequantised on load (x * scale, rounded to the model dtype as the
 // reference does) into per-thread rows, then take the same path.
 #pragma once
@@ -29,6 +30,7 @@ namespace cpuserve_attn {
 namespace v512 {
 
 using cpuserve::Vec512;
+using V = Vec512;
 
 static inline __mmask16 mask16(int n) { return Vec512::mask(n); }
 static inline __mmask32 mask32(int n) {
@@ -46,12 +48,6 @@ static inline void dequant_row_bf16(const uint8_t* src, int D, int Dp, KvKind ki
     const __m512 hi = _mm512_mul_ps(Vec512::widen8(src + d0 + 16, D - d0 - 16, elem8(kind)), sc);
     _mm512_store_si512(dst + d0, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
-}
-
-// fp8 / int8 row -> fp32(x * scale), Dp values (zero padded).
-static inline void dequant_row_f32(const uint8_t* src, int D, int Dp, KvKind kind, float scale, float* dst) {
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(dst + d0, _mm512_mul_ps(Vec512::widen8(src + d0, D - d0, elem8(kind)), sc));
 }
 
 // KV-cache write: D values (bf16 or fp32) -> fp8(x / scale), bit-exact with c10's
@@ -173,6 +169,12 @@ static inline void softmax_tile(const AttnParams& p, Scratch& s, int R, int k0, 
   }
 }
 
+static inline void fp32_softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
+  softmax_tile<false>(p, s, R, k0, n, masked);
+}
+
+#include "attention_fma_impl.h"
+
 // ---------------------------------------------------------------- bf16 model dtype
 
 template <int RB>
@@ -221,23 +223,6 @@ static inline void pv_block_bf16(const int32_t* P, const int32_t* v, int Dp, int
   for (int r = 0; r < RB; ++r) {
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + 16 * c, acc[r][c]);
-  }
-}
-
-// P . V over tiles of up to 6 query rows and 64, 32 or 16 output columns (NV = 4, 2, 1 vectors):
-// tile(r0, rows, d0, std::integral_constant<int, NV>) multiplies one; Bf16Ops and F32Ops differ
-// only in the tile's kernel.
-template <class Tile>
-static inline void pv_tiles(int R, int D, const Tile& tile) {
-  for (int r0 = 0; r0 < R; r0 += 6) {
-    const int rb = std::min(6, R - r0);
-    int d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) tile(r0, rb, d0, std::integral_constant<int, 4>{});
-    if (d0 + 32 <= D) {
-      tile(r0, rb, d0, std::integral_constant<int, 2>{});
-      d0 += 32;
-    }
-    if (d0 < D) tile(r0, rb, d0, std::integral_constant<int, 1>{});
   }
 }
 
@@ -547,68 +532,13 @@ struct Bf16DecodeOps {
 // multiply-adds in less time.  attention.cpp picks this or Bf16DecodeOps by timing both
 // instructions once.  Same reads as Bf16DecodeOps: K and V rows straight from the cache.
 
-// O[r][0, 16 NV) = O * alpha + sum_j P[r][j] V[j] for RB rows of fp32 P (KT apart), fp32 FMAs;
-// load_v(j, c) gives V row j's c-th 16 values as fp32 (from a converted tile, or a bf16 cache row).
-template <int RB, int NV, class LoadV>
-static inline void pv_fma(const float* P, int n, float* O, int Dp, const float* alpha, LoadV load_v) {
-  __m512 acc[RB][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
-    const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(O + r * Dp + 16 * c), a);
-  }
-  for (int j = 0; j < n; ++j) {
-    __m512 vv[NV];
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) vv[c] = load_v(j, c);
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
-      const __m512 pb = _mm512_set1_ps(P[r * KT + j]);
-#pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + 16 * c, acc[r][c]);
-}
-
-// Columns [d0, d0 + 16 NV) of the decode rows' output, V read from the cache rows (bf16).
-template <int RB, int NV>
-static inline void pv_direct_fma_pass(const float* P, const void* const* vrows, int d0, int Dp, int n, float* O,
-                                      const float* alpha) {
-  pv_fma<RB, NV>(P, n, O + d0, Dp, alpha, [&](int j, int c) {
-    const uint16_t* v = static_cast<const uint16_t*>(vrows[j]) + d0 + 16 * c;
-    return Vec512::widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
-  });
-}
-
-template <int RB>
-static inline void pv_direct_fma(const float* P, const void* const* vrows, int D, int Dp, int n, float* O, const float* alpha) {
-  constexpr int NV = RB <= 6 ? 4 : 2;  // RB x NV accumulators + NV values fit the 32 registers
-  int d0 = 0;
-  for (; d0 + 16 * NV <= D; d0 += 16 * NV) pv_direct_fma_pass<RB, NV>(P, vrows, d0, Dp, n, O, alpha);
-  for (; d0 < D; d0 += 16) pv_direct_fma_pass<RB, 1>(P, vrows, d0, Dp, n, O, alpha);
-}
-
 struct Bf16FmaDecodeOps {
   static constexpr int kMaxRows = Bf16DecodeOps::kMaxRows;
   static void begin(const AttnParams&, Scratch&, int) {}
   static void end() {}
 
-  __attribute__((noinline)) static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
-    (void)ntok;
-    float* q = static_cast<float*>(s.q);
-    const uint16_t* src = static_cast<const uint16_t*>(p.q);
-    for (int r = 0; r < R; ++r) {
-      float* dst = q + static_cast<int64_t>(r) * p.Dp;
-      const uint16_t* row = src + q_offset(p, tok, kvh, r);
-      for (int d0 = 0; d0 < p.Dp; d0 += 16) {  // zero past D: the last 32-wide K chunk may reach there
-        _mm512_store_ps(dst + d0, Vec512::widen_bf16(_mm256_maskz_loadu_epi16(mask16(p.D - d0), row + d0)));
-      }
-    }
+  static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
+    F32Ops::load_q(p, s, tok, ntok, kvh, R);  // fp32, zero past D: the last 32-wide K chunk may reach there
   }
 
   static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
@@ -626,147 +556,11 @@ struct Bf16FmaDecodeOps {
 
   __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
     const float* P = static_cast<const float*>(s.P);
-    with_rows_upto<8>(R, [&](auto rb) { pv_direct_fma<decltype(rb)::value>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
+    with_rows_upto<8>(R, [&](auto rb) { pv_direct<decltype(rb)::value, false>(P, s.vrows, p.D, p.Dp, n, s.O, s.alpha); });
   }
 
   static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
     Bf16Ops::store(p, s, tok, ntok, kvh, R);
-  }
-};
-
-// ---------------------------------------------------------------- fp32 model dtype
-
-template <int RB>
-static inline void qk_block_f32(const float* q, int qs, const float* kt, int D, float* S) {
-  __m512 acc[RB][2];
-#pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m512 k0 = _mm512_load_ps(kt + d * KT);
-    const __m512 k1 = _mm512_load_ps(kt + d * KT + 16);
-#pragma GCC unroll 16
-    for (int r = 0; r < RB; ++r) {
-      const __m512 qb = _mm512_set1_ps(q[r * qs + d]);
-      acc[r][0] = _mm512_fmadd_ps(qb, k0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(qb, k1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r) {
-    _mm512_store_ps(S + r * KT, acc[r][0]);
-    _mm512_store_ps(S + r * KT + 16, acc[r][1]);
-  }
-}
-
-template <int RB, int NV>
-static inline void pv_block_f32(const float* P, const float* v, int Dp, int nkeys, float* O, const float* alpha) {
-  pv_fma<RB, NV>(P, nkeys, O, Dp, alpha, [&](int k, int cc) { return _mm512_load_ps(v + k * Dp + 16 * cc); });
-}
-
-template <int NV>
-static inline void pv_rows_f32(const float* P, const float* v, int Dp, int nkeys, float* O, const float* alpha, int rb) {
-  with_rows_upto<6>(rb, [&](auto rows) { pv_block_f32<decltype(rows)::value, NV>(P, v, Dp, nkeys, O, alpha); });
-}
-
-struct F32Ops {
-  static void begin(const AttnParams&, Scratch&, int) {}
-  static void end() {}
-
-  __attribute__((noinline)) static void load_q(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
-    (void)ntok;
-    if (p.model_bf16) return Bf16FmaDecodeOps::load_q(p, s, tok, ntok, kvh, R);
-    float* q = static_cast<float*>(s.q);
-    const float* src = static_cast<const float*>(p.q);
-    for (int r = 0; r < R; ++r) {
-      float* dst = q + static_cast<int64_t>(r) * p.Dp;
-      const float* row = src + q_offset(p, tok, kvh, r);
-      for (int d0 = 0; d0 < p.Dp; d0 += 16) _mm512_store_ps(dst + d0, _mm512_maskz_loadu_ps(mask16(p.D - d0), row + d0));
-    }
-  }
-
-  __attribute__((noinline)) static void prep_kv(const AttnParams& p, Scratch& s, const int32_t* bt_row, int kvh, int k0, int n) {
-    const uint8_t* rows[KT];
-    gather_rows(p, bt_row, kvh, k0, n, rows);
-    const int D = p.D, Dp = p.Dp;
-    const float* krows[KT];
-    float* v = static_cast<float*>(s.v);
-    for (int i = 0; i < KT; ++i) {
-      float* vd = v + i * Dp;
-      if (i >= n) {
-        krows[i] = nullptr;
-        for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_setzero_ps());
-        continue;
-      }
-      const uint8_t* base = rows[i];
-      if (p.kv_kind == KvKind::kSame && p.model_bf16) {  // widened to fp32
-        const uint16_t* row = reinterpret_cast<const uint16_t*>(base);
-        float* kd = static_cast<float*>(s.krow) + i * Dp;
-        for (int d0 = 0; d0 < Dp; d0 += 16) {
-          _mm512_store_ps(kd + d0, Vec512::widen_bf16(_mm256_maskz_loadu_epi16(mask16(D - d0), row + d0)));
-          _mm512_store_ps(vd + d0, Vec512::widen_bf16(_mm256_maskz_loadu_epi16(mask16(D - d0), row + D + d0)));
-        }
-        krows[i] = kd;
-      } else if (p.kv_kind == KvKind::kSame) {
-        const float* row = reinterpret_cast<const float*>(base);
-        krows[i] = row;
-        for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_maskz_loadu_ps(mask16(D - d0), row + D + d0));
-      } else {
-        float* kd = static_cast<float*>(s.krow) + i * Dp;
-        dequant_row_f32(base, D, Dp, p.kv_kind, row_k_scale(p, base), kd);
-        dequant_row_f32(base + D, D, Dp, p.kv_kind, row_v_scale(p, base), vd);
-        krows[i] = kd;
-      }
-    }
-    float* kt = static_cast<float*>(s.kt);
-    for (int h = 0; h < KT / 16; ++h) {
-      if (h * 16 >= n) {
-        for (int d = 0; d < D; ++d) _mm512_store_ps(kt + d * KT + h * 16, _mm512_setzero_ps());
-        continue;
-      }
-      for (int c = 0; c < D / 16; ++c) {
-        __m512i r[16];
-        for (int i = 0; i < 16; ++i) {
-          const float* row = krows[h * 16 + i];
-          r[i] = row ? _mm512_castps_si512(_mm512_loadu_ps(row + c * 16)) : _mm512_setzero_si512();
-        }
-        Vec512::transpose16(r);
-        for (int j = 0; j < 16; ++j) _mm512_store_si512(kt + (c * 16 + j) * KT + h * 16, r[j]);
-      }
-    }
-  }
-
-  __attribute__((noinline)) static void qk(const AttnParams& p, Scratch& s, int R, int n) {
-    (void)n;
-    const float* q = static_cast<const float*>(s.q);
-    const float* kt = static_cast<const float*>(s.kt);
-    const int qs = p.Dp, D = p.D;
-    int r0 = 0;
-    for (; r0 + 8 <= R; r0 += 8) qk_block_f32<8>(q + r0 * qs, qs, kt, D, s.S + r0 * KT);
-    if (r0 < R) with_rows_upto<7>(R - r0, [&](auto rows) { qk_block_f32<decltype(rows)::value>(q + r0 * qs, qs, kt, D, s.S + r0 * KT); });
-  }
-
-  __attribute__((noinline)) static void softmax(const AttnParams& p, Scratch& s, int R, int k0, int n, bool masked) {
-    softmax_tile<false>(p, s, R, k0, n, masked);
-  }
-
-  __attribute__((noinline)) static void pv(const AttnParams& p, Scratch& s, int R, int n) {
-    const int Dp = p.Dp;
-    const float* P = static_cast<const float*>(s.P);
-    const float* v = static_cast<const float*>(s.v);
-    pv_tiles(R, p.D, [&](int r0, int rb, int d0, auto nv) {
-      pv_rows_f32<decltype(nv)::value>(P + r0 * KT, v + d0, Dp, n, s.O + static_cast<int64_t>(r0) * Dp + d0, s.alpha + r0, rb);
-    });
-  }
-
-  __attribute__((noinline)) static void store(const AttnParams& p, Scratch& s, int tok, int ntok, int kvh, int R) {
-    if (p.model_bf16) return Bf16Ops::store(p, s, tok, ntok, kvh, R);
-    float* out = static_cast<float*>(p.out);
-    for (int r = 0; r < R; ++r) {
-      float* dst = out + o_offset(p, tok, kvh, r);
-      const __m512 inv = _mm512_set1_ps(1.0f / s.l[r]);
-      const float* o = s.O + static_cast<int64_t>(r) * p.Dp;
-      for (int d0 = 0; d0 < p.D; d0 += 16) _mm512_storeu_ps(dst + d0, _mm512_mul_ps(_mm512_load_ps(o + d0), inv));
-    }
   }
 };
 
@@ -1058,7 +852,7 @@ struct Int8PrefillOps {
           for (int d0 = 0; d0 < Dp; d0 += 16) _mm512_store_ps(vd + d0, _mm512_setzero_ps());
           continue;
         }
-        dequant_row_f32(rows[i] + D, D, Dp, p.kv_kind, row_v_scale(p, rows[i]), vd);
+        row_to_f32(rows[i] + D, false, p.kv_kind, row_v_scale(p, rows[i]), false, D, Dp, vd);
       }
     }
     int32_t* kt = static_cast<int32_t*>(s.kt);

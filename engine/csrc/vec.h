@@ -1,7 +1,8 @@
 // The vector layer under every kernel: VecScalar, Vec256 (AVX2) and Vec512 (AVX-512) with one
-// set of loads, stores, arithmetic, horizontal reductions, exp and bf16 / fp8 / int8 widening.
-// A kernel written once over `V` (fused_impl.h) is stamped out per type; hand-written kernels call
-// the static register-level helpers (Vec256::hsum(__m256), Vec512::widen_bf16(__m256i), ...).
+// set of loads, stores, arithmetic, horizontal reductions, transposes, exp and bf16 / fp8 / int8
+// widening.  A kernel written once over `V` (fused_impl.h, attention_fma_impl.h) is stamped out per
+// type; hand-written kernels call the static register-level helpers (Vec256::hsum(__m256),
+// Vec512::widen_bf16(__m256i), ...).
 // Each type's functions carry its target (isa.h), so any file may include this one.
 #pragma once
 
@@ -74,6 +75,7 @@ namespace cpuserve {
 
 struct Vec256 {
   static constexpr int kWidth = 8;
+  static constexpr int kRegisters = 16;  // ymm registers a kernel's accumulators and operands share
   __m256 v;
 
   // 8 bf16 -> 8 fp32 (exact: a bf16 is the top half of an fp32).
@@ -103,6 +105,24 @@ struct Vec256 {
     const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
     const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
     return _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+  }
+  // 8 x 8 transpose: r[i][j] -> r[j][i].
+  static void transpose(Vec256 r[8]) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i].v, r[2 * i + 1].v);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i].v, r[2 * i + 1].v);
+    }
+    for (int i = 0; i < 2; ++i) {
+      s[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int c = 0; c < 4; ++c) {
+      r[c].v = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20);
+      r[c + 4].v = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
+    }
   }
   static float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -142,6 +162,7 @@ struct Vec256 {
 
   static Vec256 load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static Vec256 load_bf16(const uint16_t* p) { return {load_bf16_ps(p)}; }
+  static Vec256 load8(const uint8_t* p, Elem8 kind) { return {widen8(p, kind)}; }
   static void store(float* p, Vec256 a) { _mm256_storeu_ps(p, a.v); }
   static void store_bf16(uint16_t* p, Vec256 a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(a.v)); }
   static Vec256 round_bf16(Vec256 a) { return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(a.v), 16))}; }
@@ -167,6 +188,7 @@ namespace cpuserve {
 
 struct Vec512 {
   static constexpr int kWidth = 16;
+  static constexpr int kRegisters = 32;  // zmm registers a kernel's accumulators and operands share
   __m512 v;
 
   static __mmask16 mask(int n) {  // the first n of 16 lanes
@@ -216,6 +238,12 @@ struct Vec512 {
       r[c + 12] = _mm512_shuffle_i32x4(e, f, 0xdd);
     }
   }
+  static void transpose(Vec512 r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; ++i) t[i] = _mm512_castps_si512(r[i].v);
+    transpose16(t);
+    for (int i = 0; i < 16; ++i) r[i].v = _mm512_castsi512_ps(t[i]);
+  }
   static float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
   static float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
   static __m512 exp(__m512 a) {
@@ -254,6 +282,7 @@ struct Vec512 {
 
   static Vec512 load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static Vec512 load_bf16(const uint16_t* p) { return {load_bf16_ps(p)}; }
+  static Vec512 load8(const uint8_t* p, Elem8 kind) { return {widen8(p, 16, kind)}; }
   static void store(float* p, Vec512 a) { _mm512_storeu_ps(p, a.v); }
   static void store_bf16(uint16_t* p, Vec512 a) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(a.v)));
