@@ -1,4 +1,4 @@
-// Paged attention and KV-cache writes for the CPU backend (engine/attention/dispatch.py).
+// Paged attention for the CPU backend (engine/attention/dispatch.py); the KV-cache writes are in kv_cache.cpp.
 //
 // ISAs (chosen per call by the Python dispatch, checked here against the CPU):
 //   vec256   AVX2 + FMA + F16C, fp32 arithmetic (bf16 / fp8 / int8 widened on load)
@@ -9,13 +9,12 @@
 //   amx_emu  the amx path on a software model of the tiles (tests on non-AMX hosts)
 // The tile loop is in attention_common.h; the fp32-FMA tile operations are written once over a
 // vector type in attention_fma_impl.h, stamped out for AVX2 and AVX-512 in attention_vec256.h and
-// attention_vec512.h beside each ISA's own specialisations (dpbf16 and VNNI products, in-place
-// decode reads), and the AMX tiles in attention_amx.h.  Every ISA function carries its own GCC target,
-// so this file builds without -march flags and runs on any x86-64 CPU.
+// attention_vec512.h beside each ISA's own specialisations (dpbf16 products, in-place decode
+// reads); the int8 cache's VNNI products in attention_vnni.h; the AMX tiles in attention_amx.h.
+// Every ISA function carries its own GCC target, so this file builds without -march flags and
+// runs on any x86-64 CPU.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -33,6 +32,7 @@
 #include "attention_common.h"
 #include "attention_vec256.h"
 #include "attention_vec512.h"
+#include "attention_vnni.h"
 #include "ops.h"
 
 // ------------------------------------------------------------------ AMX, real tiles
@@ -290,28 +290,6 @@ void merge_splits(const AttnParams& p, const Merge& mg, const float* partials) {
       for (int d = 0; d < D; ++d) dst[d] = acc[d] * inv;
     }
   }
-}
-
-// The cache tensor: [blocks, kv_heads, block, 2D] with dense rows, in any block / head / row
-// strides; an int8 cache's rows must leave room for their scales (row stride >= 2D + 8 bytes).
-void check_kv_cache(const at::Tensor& kv_cache, int64_t D) {
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(3) == 2 * D && kv_cache.stride(3) == 1,
-              "kv cache must be [blocks, kv_heads, block, 2 * head_size] with a contiguous last dim");
-  const int64_t row = kv_cache.scalar_type() == at::kChar ? 2 * D + kInt8ScaleBytes : 2 * D;
-  TORCH_CHECK(kv_cache.stride(2) >= row && kv_cache.stride(1) >= kv_cache.size(2) * kv_cache.stride(2) &&
-                  kv_cache.stride(0) >= kv_cache.size(1) * kv_cache.stride(1),
-              kv_cache.scalar_type() == at::kChar
-                  ? "int8 kv cache rows need their scales after them (allocate it with the backend's allocate_kv_cache)"
-                  : "kv cache rows overlap");
-}
-
-KvKind kv_kind_of(const at::Tensor& kv_cache, at::ScalarType model) {
-  const auto t = kv_cache.scalar_type();
-  if (t == at::kFloat8_e4m3fn) return KvKind::kE4M3;
-  if (t == at::kFloat8_e5m2) return KvKind::kE5M2;
-  if (t == at::kChar) return KvKind::kI8;
-  TORCH_CHECK(t == model, "kv cache dtype ", t, " does not match model dtype ", model);
-  return KvKind::kSame;
 }
 
 }  // namespace
@@ -608,118 +586,4 @@ void attention_set_bf16_dot(const std::string& mode) {
   using namespace cpuserve_attn;
   TORCH_CHECK(mode == "auto" || mode == "dpbf16" || mode == "fma", "bf16 dot mode must be auto, dpbf16 or fma");
   g_forced_bf16_dot = mode == "auto" ? -1 : mode == "fma" ? 1 : 0;
-}
-
-// ------------------------------------------------------------------ KV-cache writes
-namespace cpuserve_attn {
-namespace {
-
-template <typename Src, typename F8>
-void store_fp8_row(const Src* src, uint8_t* dst, int D, float scale) {
-  for (int d = 0; d < D; ++d) dst[d] = F8(static_cast<float>(src[d]) / scale).x;
-}
-
-// Portable v512::store_int8_row (same arithmetic; nearbyint rounds half to even).
-template <typename Src>
-void store_int8_row(const Src* src, int8_t* dst, int D, float* scale) {
-  float m = 0.f;
-  for (int d = 0; d < D; ++d) m = std::max(m, std::fabs(static_cast<float>(src[d])));
-  const float inv = m > 0.f ? 127.f / m : 0.f;
-  for (int d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(static_cast<float>(src[d]) * inv));
-  *scale = m / 127.f;
-}
-
-}  // namespace
-}  // namespace cpuserve_attn
-
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, const at::Tensor& slot_mapping,
-                       double k_scale, double v_scale) {
-  using namespace cpuserve_attn;
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type(),
-              "key and value must be [tokens, kv_heads, head_size] of one dtype");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value last dim must be contiguous");
-  const int64_t T = key.size(0), Hkv = key.size(1), D = key.size(2);
-  check_kv_cache(kv_cache, D);
-  const int64_t NB = kv_cache.size(0), B = kv_cache.size(2);
-  TORCH_CHECK(kv_cache.size(1) == Hkv, "kv cache shape does not match key");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.is_contiguous(),
-              "slot_mapping must be [tokens]");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt, "slot_mapping must be int");
-  const auto src_t = key.scalar_type(), dst_t = kv_cache.scalar_type();
-  const bool fp8 = dst_t == at::kFloat8_e4m3fn || dst_t == at::kFloat8_e5m2;
-  const bool int8 = dst_t == at::kChar;
-  TORCH_CHECK(fp8 || int8 ? (src_t == at::kBFloat16 || src_t == at::kFloat) : src_t == dst_t,
-              "cannot store ", src_t, " keys into a ", dst_t, " cache");
-  std::vector<int64_t> slots(T);
-  if (slot_mapping.scalar_type() == at::kLong) {
-    std::memcpy(slots.data(), slot_mapping.data_ptr<int64_t>(), T * sizeof(int64_t));
-  } else {
-    const int32_t* s = slot_mapping.data_ptr<int32_t>();
-    for (int64_t t = 0; t < T; ++t) slots[t] = s[t];
-  }
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] < NB * B, "slot ", slots[t], " out of range");
-
-  const int64_t src_elt = key.element_size(), dst_elt = kv_cache.element_size();
-  const uint8_t* kp = static_cast<const uint8_t*>(key.data_ptr());
-  const uint8_t* vp = static_cast<const uint8_t*>(value.data_ptr());
-  uint8_t* cache = static_cast<uint8_t*>(kv_cache.data_ptr());
-  const int64_t k_st = key.stride(0), k_sh = key.stride(1), v_st = value.stride(0), v_sh = value.stride(1);
-  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
-  const bool src_bf16 = src_t == at::kBFloat16;
-  const KvKind kind = dst_t == at::kFloat8_e4m3fn ? KvKind::kE4M3 : KvKind::kE5M2;
-  const bool use_vec = (fp8 || int8) && cpu_has_vec512();
-  const int64_t c_sb = kv_cache.stride(0), c_sh = kv_cache.stride(1), c_so = kv_cache.stride(2);
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, Hkv * D));
-  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;
-      const int64_t blk = slot / B, off = slot % B;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        uint8_t* dst = cache + (blk * c_sb + h * c_sh + off * c_so) * dst_elt;
-        const uint8_t* ks_row = kp + (t * k_st + h * k_sh) * src_elt;
-        const uint8_t* vs_row = vp + (t * v_st + h * v_sh) * src_elt;
-        if (int8) {
-          float sc[2];
-          if (use_vec) {
-            v512::store_int8_row(ks_row, src_bf16, reinterpret_cast<int8_t*>(dst), D, &sc[0]);
-            v512::store_int8_row(vs_row, src_bf16, reinterpret_cast<int8_t*>(dst + D), D, &sc[1]);
-          } else if (src_bf16) {
-            store_int8_row(reinterpret_cast<const c10::BFloat16*>(ks_row), reinterpret_cast<int8_t*>(dst), D, &sc[0]);
-            store_int8_row(reinterpret_cast<const c10::BFloat16*>(vs_row), reinterpret_cast<int8_t*>(dst + D), D, &sc[1]);
-          } else {
-            store_int8_row(reinterpret_cast<const float*>(ks_row), reinterpret_cast<int8_t*>(dst), D, &sc[0]);
-            store_int8_row(reinterpret_cast<const float*>(vs_row), reinterpret_cast<int8_t*>(dst + D), D, &sc[1]);
-          }
-          std::memcpy(dst + 2 * D, sc, sizeof(sc));
-          continue;
-        }
-        if (!fp8) {
-          std::memcpy(dst, ks_row, D * dst_elt);
-          std::memcpy(dst + D * dst_elt, vs_row, D * dst_elt);
-          continue;
-        }
-        if (use_vec) {
-          v512::store_fp8_row(ks_row, src_bf16, dst, D, ks, kind);
-          v512::store_fp8_row(vs_row, src_bf16, dst + D, D, vs, kind);
-        } else if (kind == KvKind::kE4M3) {
-          if (src_bf16) {
-            store_fp8_row<c10::BFloat16, c10::Float8_e4m3fn>(reinterpret_cast<const c10::BFloat16*>(ks_row), dst, D, ks);
-            store_fp8_row<c10::BFloat16, c10::Float8_e4m3fn>(reinterpret_cast<const c10::BFloat16*>(vs_row), dst + D, D, vs);
-          } else {
-            store_fp8_row<float, c10::Float8_e4m3fn>(reinterpret_cast<const float*>(ks_row), dst, D, ks);
-            store_fp8_row<float, c10::Float8_e4m3fn>(reinterpret_cast<const float*>(vs_row), dst + D, D, vs);
-          }
-        } else {
-          if (src_bf16) {
-            store_fp8_row<c10::BFloat16, c10::Float8_e5m2>(reinterpret_cast<const c10::BFloat16*>(ks_row), dst, D, ks);
-            store_fp8_row<c10::BFloat16, c10::Float8_e5m2>(reinterpret_cast<const c10::BFloat16*>(vs_row), dst + D, D, vs);
-          } else {
-            store_fp8_row<float, c10::Float8_e5m2>(reinterpret_cast<const float*>(ks_row), dst, D, ks);
-            store_fp8_row<float, c10::Float8_e5m2>(reinterpret_cast<const float*>(vs_row), dst + D, D, vs);
-          }
-        }
-      }
-    }
-  });
 }

@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_cache.h"
 #include "vec.h"
 
 namespace cpuserve_attn {
@@ -38,20 +39,6 @@ constexpr int RMAX = std::max(UNIT_ROWS, AMX_UNIT_ROWS);  // the per-row scratch
 // set-up, about this many key tiles of work (split_count in attention.cpp).
 constexpr int SPLIT_COST_TILES = 4;
 constexpr int TOUCH_TILES = 8;  // tiles whose cache lines are loaded in one pass (64 KiB of bf16 K/V)
-
-// A cache's element format: the model's dtype, or an 8-bit one that vec.h widens (same values as Elem8).
-enum class KvKind : int {
-  kSame = 0,
-  kE4M3 = static_cast<int>(cpuserve::Elem8::kE4M3),
-  kE5M2 = static_cast<int>(cpuserve::Elem8::kE5M2),
-  kI8 = static_cast<int>(cpuserve::Elem8::kInt8),
-};
-inline cpuserve::Elem8 elem8(KvKind k) { return static_cast<cpuserve::Elem8>(k); }  // an 8-bit KvKind
-
-// An int8 cache row holds a token's K and V for one kv head as D int8 values each, then their
-// two fp32 scales: [K | V | k_scale | v_scale], x ~= value * scale (so its row stride is at least
-// 2D + 8 bytes; the tensor the engine holds is the [..., :2D] view of those rows).
-constexpr int kInt8ScaleBytes = 8;
 
 struct AttnParams {
   const void* q;  // [T, H, D], model dtype
