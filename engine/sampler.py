@@ -41,9 +41,8 @@ def _apply_bias_and_masks(logits: torch.Tensor, requests: list[Request]) -> None
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     """Repetition penalty over each row's prompt and output tokens (as vLLM and HF: positive
     logits divided by it, negative ones multiplied), then frequency and presence penalties over
-    its output tokens.  Every penalised row at once, touching only the tokens it has seen: per
-    row over the whole vocabulary, 32 rows with 100 outputs each took 9.8 ms (repetition) and
-    4.2 ms (frequency + presence) a step; ``logits`` must be contiguous."""
+    its output tokens.  Every penalised row at once, touching only the tokens it has seen (a pass
+    per row over the whole vocabulary cost several times more); ``logits`` must be contiguous."""
     vocab = logits.shape[1]
     flat = logits.view(-1)
     params = [r.params for r in requests]
@@ -51,7 +50,7 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     def seen(rows: list[int], ids_of: Callable[[Request], list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every (row, token) occurrence as a flat index into logits, and its row."""
         lists = [ids_of(requests[r]) for r in rows]
-        # array -> frombuffer: ~5 us for 228 ids, torch.tensor(list) ~24
+        # frombuffer over an array: a fraction of torch.tensor(list)'s time for a list of ints
         ids = torch.cat([torch.frombuffer(array.array("q", x), dtype=torch.long) for x in lists])
         row = torch.tensor(rows, dtype=torch.long).repeat_interleave(torch.tensor([len(x) for x in lists]))
         return ids + row * vocab, row
@@ -76,15 +75,14 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
 
 # With the extension, sampled rows are drawn natively (``sample_rows`` in engine/csrc/sampling.cpp):
 # the same temperature, top-k, top-p, min-p and inverse-CDF lookup, a row at a time in one
-# buffer, where the torch ops below make several whole-vocabulary temporaries.  32 rows of the
-# default model under temperature 0.7 and top_p 0.95, in a 32-stream decode step: sampling 6.1
-# -> 1.6 ms, the step 33.0 -> 27.6 ms; temperature 0.8 alone 2.4 -> 0.9 ms.
+# buffer, where the torch ops below make several whole-vocabulary temporaries (about 4x the
+# time at 32 rows; benchmarks/HISTORY.md).
 #
 # The torch path (without the extension; also the reference the tests hold the native draw to):
 # top-k / top-p rank the best 64 tokens of each row; rows those do not settle (top_k above
 # them, or a wider nucleus) take the native cut-off when there is one (a histogram and a
 # selection, O(vocab)), else rank the best 1024, then sort the whole vocabulary for what is left
-# (~50 ms for 32 rows of 49,152 tokens).  What survives is all the softmax, min-p and the draw see.
+# (the slow case).  What survives is all the softmax, min-p and the draw see.
 CANDIDATE_TIERS = (64, 1024)  # the second only without the native cut-off
 
 
@@ -97,8 +95,8 @@ def _native_op(name: str) -> Optional[Callable[..., torch.Tensor]]:
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)``; natively for float32 (torch's took ~0.44 ms for 32 rows of
-    49,152 logits, ~2% of a 32-row decode step; the native pass a few microseconds a row)."""
+    """``logits.argmax(-1)``; natively for float32, one pass a row where torch's took ~2% of a
+    32-row decode step."""
     argmax = _native_op("argmax_rows") if logits.dtype == torch.float32 and logits.shape[-1] > 0 else None
     return argmax(logits) if argmax is not None else logits.argmax(dim=-1)
 
@@ -195,8 +193,8 @@ def _top_k_top_p(
 
 
 # The draw looks the target up chunk by chunk: the mass of each DRAW_CHUNK tokens, then the
-# cumulative sum inside the chosen chunk only.  A cumulative sum over the whole vocabulary
-# (torch's runs one element at a time) cost ~1.2 ms per step at 32 rows of 49,152 tokens.
+# cumulative sum inside the chosen chunk only: torch's cumulative sum over the whole vocabulary
+# runs one element at a time.
 DRAW_CHUNK = 1024
 
 

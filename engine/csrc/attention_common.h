@@ -182,8 +182,9 @@ inline void gather_rows(const AttnParams& p, const int32_t* bt_row, int kvh, int
 // Load every cache line of key positions [k0, k1) once, with plain independent loads,
 // before the tiles that use them.  Decode reads each block's 4 KiB once and computes
 // little on it, so the tile loop's dependent reads (and software prefetches, each of
-// which holds one of the core's few L1 miss slots) kept few misses in flight and read
-// at ~14 GB/s of ~50; this pass keeps many in flight and the tile loop then reads L1/L2.
+// which holds one of the core's few L1 miss slots) kept few misses in flight and read at
+// a fraction of the memory's bandwidth; this pass keeps many in flight and the tile loop then
+// reads L1/L2.
 // The blocks' lines are visited round-robin, kTouchStreams blocks at a time: several
 // sequential streams keep the L2 streamers of more pages busy at once than one block
 // after the other.

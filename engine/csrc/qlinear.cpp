@@ -4,7 +4,7 @@
 // (and its block sum, for Q4_1's offset and Q8_0's unsigned shift), then weight and activation
 // quants meet in integer dot products (VNNI `vpdpbusd`, or AVX2 `vpmaddubsw`).  Decode is
 // memory-bound, so the point is reading 4.5-8.5 bits per weight instead of 16; the int8 activation
-// costs a small, measured accuracy loss (see engine/layers/quant.py).  The row-scaled int8 copies
+// costs a small, measured accuracy loss (the README's quality tables).  The row-scaled int8 copies
 // on AMX round each whole activation row to 15 bits instead (qlinear_amx.h says why).
 //
 // One build runs anywhere: every path carries a GCC `target` attribute and the best one is picked

@@ -2,23 +2,18 @@
 // contiguous span and takes units from its front; a thread whose span is empty takes units from
 // the back of the fullest other span.
 //
-// Why not a static split: on shared hosts two threads given equal halves do not finish together.
-// Engine alone, 32 streams, Intel host: the row-int8 matmul region's threads each worked ~103 us
-// but finished 20-25 us apart on average (either one last, by turns), so the region took 118 us.
-// Why not `schedule(dynamic)` over chunks: every chunk starts on weights nobody prefetched (the
-// kernels prefetch the groups that follow inside their own range), which cost as much as the
-// balance won (per-thread work 109 -> 117 us, region time unchanged).  Owning a span keeps each
-// thread's walk contiguous, so only stolen units start cold: the same region took 107 us (threads
-// 4 us apart).  Steps against the static split, alternating in one process: 32 streams 0.95-0.99x
-// (five runs), 16 streams 0.97x, 8 streams 0.96x, batch 1 0.97x.
+// Why not a static split: on shared hosts two threads given equal halves do not finish together
+// (each waits on the other by turns, ~20% of a matmul region).  Why not `schedule(dynamic)` over
+// chunks: every chunk starts on weights nobody prefetched (the kernels prefetch the groups that
+// follow inside their own range), which cost as much as the balance won.  Owning a span keeps each
+// thread's walk contiguous, so only stolen units start cold (measurements: benchmarks/HISTORY.md).
 //
 // Team size: every parallel region of the extension runs on the caller's whole OpenMP team (no
 // `num_threads` clause), and a kernel that wants fewer threads leaves the rest of the team idle
 // in the region.  libgomp ends the pool threads that a smaller team leaves out and starts new ones
-// for the next bigger team, so regions of varying sizes made a thread or more per region: on a
-// 16-core Xeon, batch-1 decode took 145 ms a step on 8 threads and 7.6 on 2 (each step's small
-// matmuls wanted fewer threads than its attention).  torch's at::parallel_for does the same for
-// the same reason (pytorch#32008).  tests/engine/test_openmp_team.py checks that the threads stay.
+// for the next bigger team, so regions of varying sizes made a thread or more per region (on a
+// 16-core Xeon, batch-1 decode steps ran 19x slower on 8 threads than on 2).  torch's
+// at::parallel_for keeps the whole team for the same reason (pytorch#32008).  tests/engine/test_openmp_team.py checks that the threads stay.
 #pragma once
 
 #include <algorithm>
