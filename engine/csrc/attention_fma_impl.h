@@ -33,8 +33,9 @@ static inline void row_to_f32(const uint8_t* src, bool src_bf16, KvKind kind, fl
   if (kind != KvKind::kSame) {
     const V sc = V::set1(scale);
     for (; d < D; d += W) {
-      const V f = V::mul(V::load8(src + d, elem8(kind)), sc);
-      V::store(dst + d, round_bf16 ? V::round_bf16(f) : f);
+      V f = V::mul(V::load8(src + d, elem8(kind)), sc);
+      if (round_bf16) f = V::round_bf16(f);
+      V::store(dst + d, f);
     }
   } else if (src_bf16) {
     for (; d < D; d += W) V::store(dst + d, V::load_bf16(reinterpret_cast<const uint16_t*>(src) + d));

@@ -30,7 +30,7 @@ namespace cpuserve_attn {
 namespace v512 {
 
 using cpuserve::Vec512;
-using V = Vec512;
+using V = cpuserve::Vec512Bf16;  // attention_fma_impl.h's vector: Vec512, rounding to bf16 in one instruction
 
 static inline __mmask16 mask16(int n) { return Vec512::mask(n); }
 static inline __mmask32 mask32(int n) {

@@ -238,7 +238,8 @@ struct Vec512 {
       r[c + 12] = _mm512_shuffle_i32x4(e, f, 0xdd);
     }
   }
-  static void transpose(Vec512 r[16]) {
+  template <class T>  // Vec512 or a type derived from it
+  static void transpose(T r[16]) {
     __m512i t[16];
     for (int i = 0; i < 16; ++i) t[i] = _mm512_castps_si512(r[i].v);
     transpose16(t);
@@ -337,6 +338,7 @@ namespace cpuserve {
 // integer ops.  The instruction flushes denormal results to zero, the one place where this type's
 // results may differ from the others (by less than 1e-38).
 struct Vec512Bf16 : Vec512 {
+  Vec512Bf16() = default;
   Vec512Bf16(Vec512 a) : Vec512(a) {}  // Vec512's arithmetic, with the two roundings below
   static __m256i bf16(__m512 f) {  // round to nearest even; NaN -> 0x7fc0, the bits every other path gives
     const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
