@@ -150,10 +150,13 @@ static inline void qk_block_bf16(const int32_t* q, int qs, const int32_t* kt, in
   }
 }
 
-template <int RB, int NV>
-static inline void pv_block_bf16(const int32_t* P, const int32_t* v, int Dp, int npairs, float* O, const float* alpha) {
+// O[r][0, 16 NV) = O * alpha + P V for RB rows of bf16 probability pairs (KT / 2 dwords a row),
+// one dpbf16 per key pair and 16 outputs: load_v(j, vv) gives key pair j's NV vectors of V pairs
+// (vv[c] = (V[2j][16c + i], V[2j + 1][16c + i]) in lane i), from a tile or interleaved from the rows.
+template <int RB, int NV, class LoadV>
+static inline void pv_pairs_dpbf16(const int32_t* P, int npairs, float* O, int Dp, const float* alpha, LoadV load_v) {
   __m512 acc[RB][NV];
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
 #pragma GCC unroll 4
@@ -161,25 +164,28 @@ static inline void pv_block_bf16(const int32_t* P, const int32_t* v, int Dp, int
   }
   for (int j = 0; j < npairs; ++j) {
     __m512bh vv[NV];
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_load_si512(v + j * Dp + 16 * c);
-#pragma GCC unroll 16
+    load_v(j, vv);
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const __m512bh pb = (__m512bh)_mm512_set1_epi32(P[r * (KT / 2) + j]);
 #pragma GCC unroll 4
       for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + 16 * c, acc[r][c]);
-  }
 }
 
 template <int NV>
 static inline void pv_rows_bf16(const int32_t* P, const int32_t* v, int Dp, int npairs, float* O, const float* alpha, int rb) {
-  with_rows_upto<6>(rb, [&](auto rows) { pv_block_bf16<decltype(rows)::value, NV>(P, v, Dp, npairs, O, alpha); });
+  with_rows_upto<6>(rb, [&](auto rows) {
+    pv_pairs_dpbf16<decltype(rows)::value, NV>(P, npairs, O, Dp, alpha, [&](int j, __m512bh* vv) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_load_si512(v + j * Dp + 16 * c);
+    });
+  });
 }
 
 // V tile from KT bf16 rows (null past the tile's keys: zeros), key pairs interleaved as
@@ -378,7 +384,7 @@ static inline void qk_direct(const void* qv, int qs, const void* const* krows, i
   }
 }
 
-// O[:, d0 : d0 + 16 NV] = O * alpha + P V for RB rows, V pairs interleaved in registers.
+// O[:, d0 : d0 + 16 NV] = O * alpha + P V for RB rows, V pairs interleaved in registers from the rows.
 template <int RB, int NV>
 static inline void pv_direct_bf16(const int32_t* P, const void* const* vrows, int d0, int Dp, int n, float* O,
                                   const float* alpha) {
@@ -387,19 +393,10 @@ static inline void pv_direct_bf16(const int32_t* P, const void* const* vrows, in
   const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
   constexpr int kLoads = NV >= 2 ? NV / 2 : 1;
   const __mmask32 mk = NV >= 2 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>(0xFFFFu);
-  __m512 acc[RB][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
-    const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(O + r * Dp + d0 + 16 * c), a);
-  }
-  const int npairs = (n + 1) / 2;
-  for (int j = 0; j < npairs; ++j) {
+  pv_pairs_dpbf16<RB, NV>(P, (n + 1) / 2, O + d0, Dp, alpha, [&](int j, __m512bh* vv) {
     const uint16_t* a = static_cast<const uint16_t*>(vrows[2 * j]) + d0;
     const bool has_b = 2 * j + 1 < n;
     const uint16_t* b = has_b ? static_cast<const uint16_t*>(vrows[2 * j + 1]) + d0 : nullptr;
-    __m512bh vv[NV];
 #pragma GCC unroll 2
     for (int k = 0; k < kLoads; ++k) {
       const __m512i va = _mm512_maskz_loadu_epi16(mk, a + 32 * k);
@@ -407,18 +404,7 @@ static inline void pv_direct_bf16(const int32_t* P, const void* const* vrows, in
       vv[2 * k] = (__m512bh)_mm512_permutex2var_epi16(va, idx_lo, vb);
       if (NV >= 2) vv[2 * k + 1] = (__m512bh)_mm512_permutex2var_epi16(va, idx_hi, vb);
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(P[r * (KT / 2) + j]);
-#pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) _mm512_store_ps(O + r * Dp + d0 + 16 * c, acc[r][c]);
-  }
+  });
 }
 
 template <int RB>
