@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "amx_emu.h"
 #include "amx_tiles.h"
 #include "isa.h"
 #include "vec.h"
@@ -69,82 +70,16 @@ namespace amx {
 CPUSERVE_TARGET_END
 #endif  // CPUSERVE_HAVE_AMX
 
-// ------------------------------------------------------------------ AMX, emulated tiles
-namespace cpuserve_attn {
-namespace emu {
-// A software model of the 8 tile registers: enough of the ISA's rules (shapes from the
-// configuration, rows past the configured count read as zero) to catch layout and
-// stride mistakes in attention_amx.h without AMX hardware.
-struct Tiles {
-  alignas(64) uint8_t data[8][16 * 64];
-  int rows[8];
-  int colsb[8];
-};
-static Tiles& tiles() {
-  static thread_local Tiles t;
-  return t;
-}
-static std::atomic<int> g_errors{0};
-
-static void cfg(const void* c) {
-  const uint8_t* b = static_cast<const uint8_t*>(c);
-  Tiles& t = tiles();
-  if (b[0] != 1) g_errors++;
-  for (int i = 0; i < 8; ++i) {
-    uint16_t colsb;
-    std::memcpy(&colsb, b + 16 + 2 * i, 2);
-    t.colsb[i] = colsb;
-    t.rows[i] = b[48 + i];
-    if (colsb > 64 || t.rows[i] > 16) g_errors++;
-  }
-  std::memset(t.data, 0, sizeof(t.data));
-}
-static void load(int i, const void* p, int64_t stride) {
-  Tiles& t = tiles();
-  std::memset(t.data[i], 0, sizeof(t.data[i]));
-  for (int r = 0; r < t.rows[i]; ++r) std::memcpy(t.data[i] + r * 64, static_cast<const uint8_t*>(p) + r * stride, t.colsb[i]);
-}
-static void store(int i, void* p, int64_t stride) {
-  Tiles& t = tiles();
-  for (int r = 0; r < t.rows[i]; ++r) std::memcpy(static_cast<uint8_t*>(p) + r * stride, t.data[i] + r * 64, t.colsb[i]);
-}
-static void zero(int i) { std::memset(tiles().data[i], 0, sizeof(tiles().data[i])); }
-static float bf(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return cpuserve::bf16_to_float(h);
-}
-// C[m][n] += sum_k A[m][2k] * B[k][2n] + A[m][2k+1] * B[k][2n+1]   (bf16 in, fp32 out)
-static void dp(int c, int a, int b) {
-  Tiles& t = tiles();
-  const int M = t.rows[a], K = t.colsb[a] / 4, N = t.colsb[c] / 4;
-  if (t.rows[c] != M || t.rows[b] != K || t.colsb[b] != t.colsb[c]) {
-    g_errors++;
-    return;
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int n = 0; n < N; ++n) {
-      float acc;
-      std::memcpy(&acc, t.data[c] + m * 64 + n * 4, 4);
-      for (int k = 0; k < K; ++k) {
-        acc += bf(t.data[a] + m * 64 + k * 4) * bf(t.data[b] + k * 64 + n * 4);
-        acc += bf(t.data[a] + m * 64 + k * 4 + 2) * bf(t.data[b] + k * 64 + n * 4 + 2);
-      }
-      std::memcpy(t.data[c] + m * 64 + n * 4, &acc, 4);
-    }
-  }
-}
-}  // namespace emu
-}  // namespace cpuserve_attn
+// ------------------------------------------------------------------ AMX, emulated tiles (amx_emu.h)
 
 CPUSERVE_TARGET_BEGIN(CPUSERVE_ISA_AVX512_BF16)
 namespace cpuserve_attn {
 namespace amx_emu {
-#define AMX_CFG(c) emu::cfg(c)
-#define AMX_LOAD(t, ptr, stride) emu::load(t, ptr, stride)
-#define AMX_STORE(t, ptr, stride) emu::store(t, ptr, stride)
-#define AMX_ZERO(t) emu::zero(t)
-#define AMX_DP(c, a, b) emu::dp(c, a, b)
+#define AMX_CFG(c) cpuserve_amx::emu::cfg(c)
+#define AMX_LOAD(t, ptr, stride) cpuserve_amx::emu::load(t, ptr, stride)
+#define AMX_STORE(t, ptr, stride) cpuserve_amx::emu::store(t, ptr, stride)
+#define AMX_ZERO(t) cpuserve_amx::emu::zero(t)
+#define AMX_DP(c, a, b) cpuserve_amx::emu::dp(c, a, b)
 #define AMX_RELEASE() ((void)0)
 #include "attention_amx.h"
 #undef AMX_CFG
@@ -468,7 +403,7 @@ void run_plan(const PlanHeader& h, const WorkUnit* units, const Merge* merges, c
   float* part = partials.data();
   const int64_t nu = h.nu, nm = h.nm;
   const int nt = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
-  const int errors_before = emu::g_errors.load();
+  const int errors_before = cpuserve_amx::emu::g_errors.load();
   if (nt == 1 || nu == 1) {
     for (int64_t u = 0; u < nu; ++u) {
       const WorkUnit& w = units[u];
@@ -504,7 +439,7 @@ void run_plan(const PlanHeader& h, const WorkUnit* units, const Merge* merges, c
       for (int64_t m = 0; m < nm; ++m) merge_splits(p, merges[m], part);
     }
   }
-  if (isa == Isa::kAmxBf16Emu) TORCH_CHECK(emu::g_errors.load() == errors_before, "emulated AMX tile shape error");
+  if (isa == Isa::kAmxBf16Emu) TORCH_CHECK(cpuserve_amx::emu::g_errors.load() == errors_before, "emulated AMX tile shape error");
 }
 
 }  // namespace
