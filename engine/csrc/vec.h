@@ -37,7 +37,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
 // The 8-bit element formats a row can be widened from (values match attention's KvKind).
 enum class Elem8 : int { kE4M3 = 1, kE5M2 = 2, kInt8 = 3 };
 
-// Cephes-style expf: x = n ln2 + r, e^r by a degree-7 polynomial, 2^n from the exponent bits.
+// Cephes-style expf (exp_lanes below): x = n ln2 + r, e^r by a degree-7 polynomial, times 2^n.
 // Inputs are clamped to [-87, 88.37] so 2^n stays a normal float; above that the result is inf.
 namespace exp_consts {
 constexpr float kHi = 88.3762626647949f, kLo = -87.0f, kLog2e = 1.44269504088896341f;
@@ -45,6 +45,27 @@ constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
 constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.3334519073E-3f;
 constexpr float kP3 = 4.1665795894E-2f, kP4 = 1.6666665459E-1f, kP5 = 5.0000001201E-1f;
 }  // namespace exp_consts
+
+// exp over a vector type's lanes (Vec256, Vec512), written once: x clamped to [kLo, kHi], n =
+// round(x log2 e), r = x - n ln 2 (in two parts), e^r by the polynomial, times 2^n by the type's
+// ldexp; lanes above kHi give inf.  Inlined into each type's target-specific exp, whose operations
+// it calls.
+template <class V>
+inline __attribute__((always_inline)) V exp_lanes(V a) {
+  using namespace exp_consts;
+  V x = V::min(V::max(a, V::set1(kLo)), V::set1(kHi));
+  const V n = V::round(V::mul(x, V::set1(kLog2e)));
+  x = V::fnmadd(n, V::set1(kLn2Hi), x);
+  x = V::fnmadd(n, V::set1(kLn2Lo), x);
+  V y = V::set1(kP0);
+  y = V::fmadd(y, x, V::set1(kP1));
+  y = V::fmadd(y, x, V::set1(kP2));
+  y = V::fmadd(y, x, V::set1(kP3));
+  y = V::fmadd(y, x, V::set1(kP4));
+  y = V::fmadd(y, x, V::set1(kP5));
+  y = V::fmadd(y, V::mul(x, x), V::add(x, V::set1(1.f)));
+  return V::above(a, V::set1(kHi), V::ldexp(y, n), V::set1(INFINITY));
+}
 
 struct VecScalar {
   static constexpr int kWidth = 1;
@@ -142,23 +163,7 @@ struct Vec256 {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
     return _mm_cvtsi128_si32(s);
   }
-  static __m256 exp(__m256 a) {
-    using namespace exp_consts;
-    __m256 x = _mm256_min_ps(_mm256_max_ps(a, _mm256_set1_ps(kLo)), _mm256_set1_ps(kHi));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), x);
-    __m256 y = _mm256_set1_ps(kP0);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP1));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP2));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP3));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP4));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kP5));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY),
-                            _mm256_cmp_ps(a, _mm256_set1_ps(kHi), _CMP_GT_OQ));
-  }
+  static __m256 exp(__m256 a) { return exp_lanes(Vec256{a}).v; }
 
   static Vec256 load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static Vec256 load_bf16(const uint16_t* p) { return {load_bf16_ps(p)}; }
@@ -174,6 +179,17 @@ struct Vec256 {
   static Vec256 div(Vec256 a, Vec256 b) { return {_mm256_div_ps(a.v, b.v)}; }
   static Vec256 neg(Vec256 a) { return {_mm256_xor_ps(a.v, _mm256_set1_ps(-0.f))}; }
   static Vec256 fmadd(Vec256 a, Vec256 b, Vec256 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec256 fnmadd(Vec256 a, Vec256 b, Vec256 c) { return {_mm256_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a b
+  static Vec256 min(Vec256 a, Vec256 b) { return {_mm256_min_ps(a.v, b.v)}; }
+  static Vec256 max(Vec256 a, Vec256 b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static Vec256 round(Vec256 a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  // y * 2^n for integral n in [-126, 128], from the exponent bits (n = 128 gives inf)
+  static Vec256 ldexp(Vec256 y, Vec256 n) {
+    return {_mm256_mul_ps(y.v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23)))};
+  }
+  static Vec256 above(Vec256 a, Vec256 b, Vec256 x, Vec256 y) {  // lanes where a > b: y, else x
+    return {_mm256_blendv_ps(x.v, y.v, _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ))};
+  }
   static float reduce_add(Vec256 a) { return hsum(a.v); }
   static Vec256 exp(Vec256 a) { return {exp(a.v)}; }
 };
@@ -247,23 +263,7 @@ struct Vec512 {
   }
   static float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
   static float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
-  static __m512 exp(__m512 a) {
-    using namespace exp_consts;
-    __m512 x = _mm512_min_ps(_mm512_max_ps(a, _mm512_set1_ps(kLo)), _mm512_set1_ps(kHi));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), x);
-    __m512 y = _mm512_set1_ps(kP0);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP1));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP2));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP3));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP4));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kP5));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-    // above the clamp e^x overflows float: inf, so silu(-large) is -0 as in torch
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(kHi), _CMP_GT_OQ), _mm512_scalef_ps(y, n),
-                                _mm512_set1_ps(INFINITY));
-  }
+  static __m512 exp(__m512 a) { return exp_lanes(Vec512{a}).v; }
   // 2^t for t <= 0, the softmax's exp (scores pre-multiplied by log2 e): t is clamped at -126, so
   // the result is never 0 but ~1e-38 at the bottom (callers zero masked lanes); degree-6 Taylor
   // polynomial of 2^f on [-0.5, 0.5], |rel err| ~ 1.2e-7.  Cheaper than exp: no range reduction by ln 2.
@@ -297,6 +297,14 @@ struct Vec512 {
   static Vec512 div(Vec512 a, Vec512 b) { return {_mm512_div_ps(a.v, b.v)}; }
   static Vec512 neg(Vec512 a) { return {_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(INT32_MIN)))}; }
   static Vec512 fmadd(Vec512 a, Vec512 b, Vec512 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec512 fnmadd(Vec512 a, Vec512 b, Vec512 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a b
+  static Vec512 min(Vec512 a, Vec512 b) { return {_mm512_min_ps(a.v, b.v)}; }
+  static Vec512 max(Vec512 a, Vec512 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static Vec512 round(Vec512 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  static Vec512 ldexp(Vec512 y, Vec512 n) { return {_mm512_scalef_ps(y.v, n.v)}; }  // y * 2^n, n integral
+  static Vec512 above(Vec512 a, Vec512 b, Vec512 x, Vec512 y) {  // lanes where a > b: y, else x
+    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ), x.v, y.v)};
+  }
   static float reduce_add(Vec512 a) { return hsum(a.v); }
   static Vec512 exp(Vec512 a) { return {exp(a.v)}; }
 };
