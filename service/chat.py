@@ -22,6 +22,7 @@ from engine.tokenizer import Tokenizer
 from service.errors import bad_request
 from service.generate import (
     Generation,
+    admit,
     finish_reason,
     new_request_id,
     respond,
@@ -52,10 +53,7 @@ from service.tools import ToolPlan, chat_messages, parse_answer, plan_tools
 
 
 async def create_chat_completion(req: ChatCompletionRequest, state: ServerState, raw: Request) -> Response:
-    state.check_model(req.model)
-    engine, _ = state.engines()
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    engine = admit(req, state)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
     plan = plan_tools(req, detect_format(engine.tokenizer.chat_template))

@@ -21,6 +21,7 @@ from engine.tokenizer import Tokenizer
 from service.errors import bad_request
 from service.generate import (
     Generation,
+    admit,
     finish_reason,
     new_request_id,
     respond,
@@ -40,16 +41,13 @@ from service.structured import resolve_structured
 
 
 async def create_completion(req: CompletionRequest, state: ServerState, raw: Request) -> Response:
-    state.check_model(req.model)
-    engine, _ = state.engines()
+    engine = admit(req, state)
     if req.suffix:
         raise bad_request("'suffix' is not supported: this server has no insertion model", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         if req.best_of < req.n:
             raise bad_request("'best_of' must be at least 'n'", "best_of")
         raise bad_request("'best_of' greater than 'n' is not supported; ask for 'n' choices instead", "best_of")
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     prompt_ids, prompt_texts = _prompts(req, engine.tokenizer)
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:  # echoed prompt tokens come with their logprobs

@@ -23,8 +23,10 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from engine.async_engine import Delivery, EngineDeadError, Mailbox
+from engine.engine import LLMEngine
 from engine.request import CompletionDelta, SamplingParams
-from service.errors import APIError
+from service.errors import APIError, bad_request
+from service.protocol import SamplingFields
 from service.state import ServerState
 
 logger = logging.getLogger("service.requests")
@@ -34,6 +36,16 @@ T = TypeVar("T")
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def admit(req: SamplingFields, state: ServerState) -> LLMEngine:
+    """The checks both generation routes make first: the model asked for is the one served, an
+    engine is running (503 otherwise), and ``stream_options`` comes only with ``stream``."""
+    state.check_model(req.model)
+    engine, _ = state.engines()
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    return engine
 
 
 class Generation:
