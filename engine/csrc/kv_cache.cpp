@@ -127,19 +127,37 @@ CPUSERVE_TARGET_END
 namespace cpuserve_attn {
 namespace {
 
-template <typename Src, typename F8>
-void store_fp8_row(const Src* src, uint8_t* dst, int D, float scale) {
-  for (int d = 0; d < D; ++d) dst[d] = F8(static_cast<float>(src[d]) / scale).x;
+// Portable v512::store_fp8_row: c10's conversion, one value at a time.
+void store_fp8_row(const void* src, bool src_bf16, uint8_t* dst, int D, float scale, KvKind kind) {
+  const auto row = [&](const auto* x, auto fp8) {
+    using F8 = decltype(fp8);
+    for (int d = 0; d < D; ++d) dst[d] = F8(static_cast<float>(x[d]) / scale).x;
+  };
+  const auto as_fp8 = [&](auto fp8) {
+    if (src_bf16)
+      row(static_cast<const c10::BFloat16*>(src), fp8);
+    else
+      row(static_cast<const float*>(src), fp8);
+  };
+  if (kind == KvKind::kE4M3)
+    as_fp8(c10::Float8_e4m3fn());
+  else
+    as_fp8(c10::Float8_e5m2());
 }
 
 // Portable v512::store_int8_row (same arithmetic; nearbyint rounds half to even).
-template <typename Src>
-void store_int8_row(const Src* src, int8_t* dst, int D, float* scale) {
-  float m = 0.f;
-  for (int d = 0; d < D; ++d) m = std::max(m, std::fabs(static_cast<float>(src[d])));
-  const float inv = m > 0.f ? 127.f / m : 0.f;
-  for (int d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(static_cast<float>(src[d]) * inv));
-  *scale = m / 127.f;
+void store_int8_row(const void* src, bool src_bf16, int8_t* dst, int D, float* scale) {
+  const auto row = [&](const auto* x) {
+    float m = 0.f;
+    for (int d = 0; d < D; ++d) m = std::max(m, std::fabs(static_cast<float>(x[d])));
+    const float inv = m > 0.f ? 127.f / m : 0.f;
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[d]) * inv));
+    *scale = m / 127.f;
+  };
+  if (src_bf16)
+    row(static_cast<const c10::BFloat16*>(src));
+  else
+    row(static_cast<const float*>(src));
 }
 
 }  // namespace
@@ -180,7 +198,9 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
   const bool src_bf16 = src_t == at::kBFloat16;
   const KvKind kind = dst_t == at::kFloat8_e4m3fn ? KvKind::kE4M3 : KvKind::kE5M2;
-  const bool use_vec = (fp8 || int8) && cpuserve::cpu_supports(cpuserve::Isa::kAvx512);
+  const bool use_vec = cpuserve::cpu_supports(cpuserve::Isa::kAvx512);
+  const auto int8_row = use_vec ? &v512::store_int8_row : &store_int8_row;
+  const auto fp8_row = use_vec ? &v512::store_fp8_row : &store_fp8_row;
   const int64_t c_sb = kv_cache.stride(0), c_sh = kv_cache.stride(1), c_so = kv_cache.stride(2);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, Hkv * D));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
@@ -194,43 +214,15 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
         const uint8_t* vs_row = vp + (t * v_st + h * v_sh) * src_elt;
         if (int8) {
           float sc[2];
-          if (use_vec) {
-            v512::store_int8_row(ks_row, src_bf16, reinterpret_cast<int8_t*>(dst), D, &sc[0]);
-            v512::store_int8_row(vs_row, src_bf16, reinterpret_cast<int8_t*>(dst + D), D, &sc[1]);
-          } else if (src_bf16) {
-            store_int8_row(reinterpret_cast<const c10::BFloat16*>(ks_row), reinterpret_cast<int8_t*>(dst), D, &sc[0]);
-            store_int8_row(reinterpret_cast<const c10::BFloat16*>(vs_row), reinterpret_cast<int8_t*>(dst + D), D, &sc[1]);
-          } else {
-            store_int8_row(reinterpret_cast<const float*>(ks_row), reinterpret_cast<int8_t*>(dst), D, &sc[0]);
-            store_int8_row(reinterpret_cast<const float*>(vs_row), reinterpret_cast<int8_t*>(dst + D), D, &sc[1]);
-          }
+          int8_row(ks_row, src_bf16, reinterpret_cast<int8_t*>(dst), D, &sc[0]);
+          int8_row(vs_row, src_bf16, reinterpret_cast<int8_t*>(dst + D), D, &sc[1]);
           std::memcpy(dst + 2 * D, sc, sizeof(sc));
-          continue;
-        }
-        if (!fp8) {
+        } else if (fp8) {
+          fp8_row(ks_row, src_bf16, dst, D, ks, kind);
+          fp8_row(vs_row, src_bf16, dst + D, D, vs, kind);
+        } else {
           std::memcpy(dst, ks_row, D * dst_elt);
           std::memcpy(dst + D * dst_elt, vs_row, D * dst_elt);
-          continue;
-        }
-        if (use_vec) {
-          v512::store_fp8_row(ks_row, src_bf16, dst, D, ks, kind);
-          v512::store_fp8_row(vs_row, src_bf16, dst + D, D, vs, kind);
-        } else if (kind == KvKind::kE4M3) {
-          if (src_bf16) {
-            store_fp8_row<c10::BFloat16, c10::Float8_e4m3fn>(reinterpret_cast<const c10::BFloat16*>(ks_row), dst, D, ks);
-            store_fp8_row<c10::BFloat16, c10::Float8_e4m3fn>(reinterpret_cast<const c10::BFloat16*>(vs_row), dst + D, D, vs);
-          } else {
-            store_fp8_row<float, c10::Float8_e4m3fn>(reinterpret_cast<const float*>(ks_row), dst, D, ks);
-            store_fp8_row<float, c10::Float8_e4m3fn>(reinterpret_cast<const float*>(vs_row), dst + D, D, vs);
-          }
-        } else {
-          if (src_bf16) {
-            store_fp8_row<c10::BFloat16, c10::Float8_e5m2>(reinterpret_cast<const c10::BFloat16*>(ks_row), dst, D, ks);
-            store_fp8_row<c10::BFloat16, c10::Float8_e5m2>(reinterpret_cast<const c10::BFloat16*>(vs_row), dst + D, D, vs);
-          } else {
-            store_fp8_row<float, c10::Float8_e5m2>(reinterpret_cast<const float*>(ks_row), dst, D, ks);
-            store_fp8_row<float, c10::Float8_e5m2>(reinterpret_cast<const float*>(vs_row), dst + D, D, vs);
-          }
         }
       }
     }

@@ -13,7 +13,8 @@
 // in the region.  libgomp ends the pool threads that a smaller team leaves out and starts new ones
 // for the next bigger team, so regions of varying sizes made a thread or more per region (on a
 // 16-core Xeon, batch-1 decode steps ran 19x slower on 8 threads than on 2).  torch's
-// at::parallel_for keeps the whole team for the same reason (pytorch#32008).  tests/engine/test_openmp_team.py checks that the threads stay.
+// at::parallel_for keeps the whole team for the same reason (pytorch#32008).
+// tests/engine/test_openmp_team.py checks that the threads stay.
 #pragma once
 
 #include <algorithm>
