@@ -119,8 +119,7 @@ def create_app(config: ServiceConfig, state: Optional[ServerState] = None) -> Fa
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses={k: _ERRORS[k] for k in (400, 401, 404, 413, 415, 503)})
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        state.check_model(body.model)
-        engine, _ = state.engines()
+        engine = state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
         if body.messages is not None:
@@ -131,8 +130,7 @@ def create_app(config: ServiceConfig, state: Optional[ServerState] = None) -> Fa
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses={k: _ERRORS[k] for k in (400, 401, 404, 413, 415, 503)})
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        state.check_model(body.model)
-        engine, _ = state.engines()
+        engine = state.check_model(body.model)
         vocab = engine.model_config.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:

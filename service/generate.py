@@ -41,8 +41,7 @@ def new_request_id(prefix: str) -> str:
 def admit(req: SamplingFields, state: ServerState) -> LLMEngine:
     """The checks both generation routes make first: the model asked for is the one served, an
     engine is running (503 otherwise), and ``stream_options`` comes only with ``stream``."""
-    state.check_model(req.model)
-    engine, _ = state.engines()
+    engine = state.check_model(req.model)
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     return engine

@@ -190,13 +190,16 @@ class ServerState:
             raise APIError(503, "the engine has stopped; this server must be restarted", code="engine_dead")
         return self.engine, self.async_engine
 
-    def check_model(self, name: Optional[str]) -> None:
+    def check_model(self, name: Optional[str]) -> LLMEngine:
+        """The engine, if ``name`` (when given) is the model it serves; else the 404 (or the 503 of
+        ``engines``)."""
         engine, _ = self.engines()
         if name is not None and name != engine.model_name:
             raise APIError(
                 404, f"the model '{name}' does not exist; this server serves '{engine.model_name}'",
                 param="model", code="model_not_found",
             )
+        return engine
 
     def submit(
         self, prompts: Sequence[tuple[str, Sequence[int]]], params: SamplingParams, priority: int,

@@ -1,4 +1,5 @@
-// Paged attention for the CPU backend (engine/attention/dispatch.py); the KV-cache writes are in kv_cache.cpp.
+// Paged attention for the CPU backend (engine/attention/dispatch.py); the KV-cache writes are in
+// kv_cache.cpp.
 //
 // ISAs (chosen per call by the Python dispatch, checked here against the CPU):
 //   vec256   AVX2 + FMA + F16C, fp32 arithmetic (bf16 / fp8 / int8 widened on load)

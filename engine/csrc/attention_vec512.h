@@ -180,7 +180,7 @@ static inline void pv_pairs_dpbf16(const int32_t* P, int npairs, float* O, int D
 
 template <int NV>
 static inline void pv_rows_bf16(const int32_t* P, const int32_t* v, int Dp, int npairs, float* O, const float* alpha, int rb) {
-  with_rows_upto<6>(rb, [&](auto rows) {
+  with_rows_upto<kPvRows>(rb, [&](auto rows) {  // rb <= kPvRows: pv_tiles' row blocks
     pv_pairs_dpbf16<decltype(rows)::value, NV>(P, npairs, O, Dp, alpha, [&](int j, __m512bh* vv) {
 #pragma GCC unroll 4
       for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_load_si512(v + j * Dp + 16 * c);
