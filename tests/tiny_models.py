@@ -98,7 +98,8 @@ _TINY_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r"]
 # Byte offsets of the float16 scale fields in each block, for types gguf.quants cannot quantize:
 # random bytes plus sane scales make valid blocks.
 _F16_FIELDS = {
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+    "IQ2_XXS": (0,),
 }
 
 
@@ -220,7 +221,7 @@ def make_tiny_gguf(
     :data:`QUANT_MIXES`, its type for each tensor; norms/biases F32); return its path.
 
     Types gguf.quants can quantize (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) encode
-    :func:`tiny_gguf_reference_weights`; K-quants (and IQ4_NL, for the unsupported-type test) get
+    :func:`tiny_gguf_reference_weights`; K-quants and IQ types (IQ2_XXS for the unsupported-type test) get
     random valid blocks. Llama ties its embeddings, Qwen2 has a separate output.weight and q/k/v biases.
     """
     import gguf

@@ -208,6 +208,8 @@ inline void dispatch_qtype(int qtype, const F& f) {
     case kQ4_K: f(std::integral_constant<int, kQ4_K>{}); break;
     case kQ5_K: f(std::integral_constant<int, kQ5_K>{}); break;
     case kQ6_K: f(std::integral_constant<int, kQ6_K>{}); break;
+    case kIQ4_NL: f(std::integral_constant<int, kIQ4_NL>{}); break;
+    case kIQ4_XS: f(std::integral_constant<int, kIQ4_XS>{}); break;
     default: f(std::integral_constant<int, kQ8_0>{}); break;
   }
 }

@@ -31,6 +31,12 @@
 //   Q6_K: 16 fp16 d, then per 16-weight sub-block s = 0..15 the 16 rows' int8 scales;
 //         value (d * sc) * (q - 32), sc of element i of group-block b that of sub-block 2b + i / 16
 //                                       header 288 + 8 x 384 = 3360 bytes (file 210 x 16 = 3360)
+// The non-linear 4-bit types store nibbles q that index kIq4Values (lut): the kernels look each
+// nibble up as kIq4Values[q] + 128, an unsigned byte, and from there compute as for Q8_0 (zero 128).
+//   IQ4_NL: 4 nibble chunks, 16 fp16 d                    d * kIq4Values[q] 288 bytes (file 18/32)
+//   IQ4_XS: super-blocks, header 16 fp16 d, then per sub-block the 16 rows' int8 scale sc (the
+//           file's 6-bit scale - 32); value (d * sc) * kIq4Values[q]
+//                                       header 160 + 8 x 256 = 2208 bytes (file 136 x 16 = 2176)
 // d * sc is exact in float32 (an 11-bit fp16 significand times a 6- or 8-bit integer), so the
 // kernels' per-block scales are the file's own.  group_block_bytes() is the average bytes per
 // group-block (super-block / 8 for the K types), so a group is nb * group_block_bytes() bytes.
@@ -56,22 +62,35 @@ constexpr int kBlock = 32;
 constexpr int kRowsBlockBytes = kGroupRows * kBlock;  // a row-scaled int8 group-block
 
 // GGML type ids, the qtype argument of the ops.
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QType : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
+};
 
 constexpr bool qtype_known(int qt) {
   return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 || qt == kQ4_K || qt == kQ5_K ||
-         qt == kQ6_K;
+         qt == kQ6_K || qt == kIQ4_NL || qt == kIQ4_XS;
 }
+
+// IQ4_NL / IQ4_XS: the values their nibbles index (ggml's kvalues_iq4nl), and the same plus 128
+// as the unsigned bytes the kernels multiply (one table lookup per nibble vector).
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr uint8_t iq4_byte(int q) { return static_cast<uint8_t>(kIq4Values[q] + 128); }
+alignas(16) constexpr uint8_t kIq4Bytes[16] = {iq4_byte(0),  iq4_byte(1),  iq4_byte(2),  iq4_byte(3),
+                                               iq4_byte(4),  iq4_byte(5),  iq4_byte(6),  iq4_byte(7),
+                                               iq4_byte(8),  iq4_byte(9),  iq4_byte(10), iq4_byte(11),
+                                               iq4_byte(12), iq4_byte(13), iq4_byte(14), iq4_byte(15)};
 
 // The layout of a qtype's packed blocks (see above), for the kernels' templates and the scalar code.
 struct Layout {
   int quant_chunks;  // 64-byte chunks of quant bytes (8: Q8_0 bytes; 4: nibbles)
   int plane_chunks;  // chunks of high bits after the nibbles (0, 1: Q5, 2: Q6)
-  int zero;          // the integer subtracted from the unsigned quant (8, 16, 32, 128; 0: an offset field m instead)
+  int zero;          // the integer subtracted from the unsigned quant (8, 16, 32, 128; 0: an offset field m instead);
+                     // 128 (Q8_0, the lut types) is taken off in integers, as 128 * sum(x_q)
   bool has_m;        // an additive per-row offset: Q4_1/Q5_1 fp16 m, or K types' -dmin * min
   bool kquant;       // 256-weight super-blocks with a header of per-row fields
   bool split;        // two scales per 32-block (Q6_K: elements 0-15 and 16-31): their integer sums stay apart
   int header;        // K types: bytes of the super-block header
+  bool lut = false;  // nibbles index kIq4Values (IQ4_NL, IQ4_XS), looked up as iq4_byte
 };
 
 constexpr Layout layout(int qt) {
@@ -83,6 +102,8 @@ constexpr Layout layout(int qt) {
     case kQ4_K: return {4, 0, 0, true, true, false, 64 + 256};
     case kQ5_K: return {4, 1, 0, true, true, false, 64 + 256};
     case kQ6_K: return {4, 2, 32, false, true, true, 32 + 256};
+    case kIQ4_NL: return {4, 0, 128, false, false, false, 0, true};
+    case kIQ4_XS: return {4, 0, 128, false, true, false, 32 + 128, true};
     default: return {8, 0, 128, false, false, false, 0};  // Q8_0
   }
 }
@@ -157,12 +178,16 @@ inline RowScale row_scale(const BlockRef& br, int qt, int r, int h) {
       const float d = group_block_half(br.fields, 0, r);
       return {d * static_cast<float>(static_cast<int8_t>(br.fields[32 + (2 * br.sub + h) * 16 + r])), 0.f};
     }
+    case kIQ4_XS: {
+      const float d = group_block_half(br.fields, 0, r);
+      return {d * static_cast<float>(static_cast<int8_t>(br.fields[32 + br.sub * 16 + r])), 0.f};
+    }
     default:
       return {group_block_half(br.fields, 0, r), layout(qt).has_m ? group_block_half(br.fields, 32, r) : 0.f};
   }
 }
 
-// Row r's 32 unsigned quants of group-block `q` (Q8_0: q + 128).
+// Row r's 32 unsigned quants of group-block `q` (Q8_0: q + 128; the lut types: iq4_byte(q)).
 inline void row_quants(const uint8_t* q, int qt, int r, uint8_t out[32]) {
   const Layout L = layout(qt);
   if (L.quant_chunks == 8) {
@@ -182,8 +207,8 @@ inline void row_quants(const uint8_t* q, int qt, int r, uint8_t out[32]) {
         lo |= ((q[256 + r * 4 + j] >> (2 * c)) & 3) << 4;
         hi |= ((q[320 + r * 4 + j] >> (2 * c)) & 3) << 4;
       }
-      out[4 * c + j] = lo;
-      out[16 + 4 * c + j] = hi;
+      out[4 * c + j] = L.lut ? iq4_byte(lo) : lo;
+      out[16 + 4 * c + j] = L.lut ? iq4_byte(hi) : hi;
     }
 }
 

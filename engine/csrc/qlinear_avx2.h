@@ -8,7 +8,8 @@
 // bytes of each 64-byte chunk, rows 8-15 the high 32.  Without VNNI the 8 Q4 nibble products of a
 // block are summed in int16, which cannot overflow (8 * 2 * 15 * 127 < 32768; 5- and 6-bit quants
 // in runs of 4 and 2, see dot_words), and Q8_0 goes
-// through the sign trick on the signed weights (|w| <= 128, so one `vpmaddubsw` pair fits int16).
+// through the sign trick on the signed weights (|w| <= 128, so one `vpmaddubsw` pair fits int16), as
+// do the lut types' looked-up bytes.
 // Both hold for either activation digit (|a| <= 127, |b| <= 64).
 //
 // Included by qlinear.cpp only, after its helpers (Problem, store8).
@@ -17,8 +18,8 @@ namespace qlinear {
 namespace QL_NS {
 
 // Integer dots of 8 rows (lanes) with `count` int8 x words xw[0..count) against the weight
-// vectors w[0..count) (Q8_0: unsigned q + 128 with VNNI, signed q without; the rest: unsigned
-// quants of 4-6 bits).  Without VNNI, `vpmaddubsw` pairs are summed in int16 in runs short enough
+// vectors w[0..count) (Q8_0 and the lut types' bytes: unsigned value + 128 with VNNI, signed value
+// without; the rest: unsigned quants of 4-6 bits).  Without VNNI, `vpmaddubsw` pairs are summed in int16 in runs short enough
 // not to overflow: 2 * (2^bits - 1) * 127 per pair, 8 of them for 4 bits, 4 for 5, 2 for 6.
 template <int QT>
 QL_TARGET inline __m256i dot_words(const __m256i* w, const int32_t* xw, int count) {
@@ -32,7 +33,7 @@ QL_TARGET inline __m256i dot_words(const __m256i* w, const int32_t* xw, int coun
 #else
   const __m256i ones16 = _mm256_set1_epi16(1);
   __m256i s = _mm256_setzero_si256();
-  if (QT == kQ8_0) {
+  if (layout(QT).zero == 128) {
     for (int c = 0; c < count; ++c) {
       const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xw[c]), w[c]);
       s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[c]), xs), ones16));
@@ -91,9 +92,12 @@ QL_TARGET inline void block_scales(const BlockRef& br, int h, int part, __m256& 
   } else if (QT == kQ6_K) {  // its offset is taken off in integers (Problem::xsh): no mv
     dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 32 + (2 * br.sub + part) * 16 + h * 8, true));
     mv = _mm256_setzero_ps();
+  } else if (QT == kIQ4_XS) {  // its offset 128 is taken off in integers: no mv
+    dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 32 + br.sub * 16 + h * 8, true));
+    mv = _mm256_setzero_ps();
   } else {
     dv = half8(br.fields + h * 16);
-    mv = L.has_m ? half8(br.fields + 32 + h * 16) : QT == kQ8_0 ? _mm256_setzero_ps() : _mm256_mul_ps(dv, _mm256_set1_ps(-static_cast<float>(L.zero)));
+    mv = L.has_m ? half8(br.fields + 32 + h * 16) : L.zero == 128 ? _mm256_setzero_ps() : _mm256_mul_ps(dv, _mm256_set1_ps(-static_cast<float>(L.zero)));
   }
 }
 
@@ -131,6 +135,13 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
           w[4 + c] = _mm256_or_si256(w[4 + c], plane_bits<QT>(plane, c, 1));
         }
       }
+      if (L.lut) {  // nibble -> kIq4Values + 128; without VNNI the signed value, as Q8_0's above
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Bytes)));
+        for (int c = 0; c < 8; ++c) w[c] = _mm256_shuffle_epi8(lut, w[c]);
+#if !QL_VNNI
+        for (int c = 0; c < 8; ++c) w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8(static_cast<char>(0x80)));
+#endif
+      }
     }
     __m256 dv[2], mv[2];
     for (int part = 0; part < (L.split ? 2 : 1); ++part) block_scales<QT>(br, h, part, dv[part], mv[part]);
@@ -146,10 +157,10 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
       } else {
         __m256i s = digits_dot<QT, DIGITS>(w, xb, 0, 8);
 #if QL_VNNI
-        if (QT == kQ8_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * p.xsum[tb]));
+        if (L.zero == 128) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * p.xsum[tb]));
 #endif
         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), L.kquant ? dv[0] : _mm256_mul_ps(dv[0], _mm256_set1_ps(p.xd[tb])), a);
-        if (QT != kQ8_0) a = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), a);
+        if (L.zero != 128) a = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), a);
       }
       if (L.kquant && br.sub == kSuperBlocks - 1) {
         acc[t] = _mm256_fmadd_ps(sb[t], _mm256_set1_ps(p.xd[tb]), acc[t]);

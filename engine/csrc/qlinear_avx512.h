@@ -224,9 +224,12 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const 
   } else if (QT == kQ6_K) {  // its offset is taken off in integers (Problem::xsh): no mv
     dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 32 + (2 * br.sub + h) * 16, true));
     mv = _mm512_setzero_ps();
+  } else if (QT == kIQ4_XS) {  // its offset 128 is taken off in integers: no mv
+    dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 32 + br.sub * 16, true));
+    mv = _mm512_setzero_ps();
   } else {
     dv = half16_avx512(br.fields);
-    mv = L.has_m ? half16_avx512(br.fields + 32) : QT == kQ8_0 ? _mm512_setzero_ps() : _mm512_mul_ps(dv, _mm512_set1_ps(-static_cast<float>(L.zero)));
+    mv = L.has_m ? half16_avx512(br.fields + 32) : L.zero == 128 ? _mm512_setzero_ps() : _mm512_mul_ps(dv, _mm512_set1_ps(-static_cast<float>(L.zero)));
   }
 }
 
@@ -259,6 +262,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
   for (int i = 0; i < NG; ++i)
     for (int t = 0; t < MT; ++t) acc[i][t] = sb[i][t] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Bytes)));
   // The same block of the NG groups the next tile reads, into L2, spread over the passes (as the
   // row-int8 kernel below does): a fixed distance ahead of each of the NG interleaved streams
   // missed the start of every other pair's second group.
@@ -294,6 +298,8 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
           if (L.plane_chunks)
             for (int half = 0; half < 2; ++half)
               w[i][half] = _mm512_or_si512(w[i][half], plane_bits_avx512<QT>(plane[i], c, half));
+          if (L.lut)  // nibble -> kIq4Values + 128
+            for (int half = 0; half < 2; ++half) w[i][half] = _mm512_shuffle_epi8(lut, w[i][half]);
         }
       }
       const int h0 = L.split ? 0 : c % kSums, h1 = L.split ? 1 : h0;
@@ -331,10 +337,10 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
         } else {
           __m512i sum = dsum[0];
           if (kSums == 2) sum = _mm512_add_epi32(sum, dsum[kSums - 1]);
-          // Q8_0 weights are q + 128: remove 128 * sum(x_q)
-          if (QT == kQ8_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * p.xsum[tb]));
+          // Q8_0's and the lut types' weights are value + 128: remove 128 * sum(x_q)
+          if (L.zero == 128) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * p.xsum[tb]));
           a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), L.kquant ? dv[0] : _mm512_mul_ps(dv[0], _mm512_set1_ps(p.xd[tb])), a);
-          if (QT != kQ8_0) a = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(p.xs[tb]), a);
+          if (L.zero != 128) a = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(p.xs[tb]), a);
         }
         if constexpr (L.kquant) {
           if (br.sub == kSuperBlocks - 1) {

@@ -120,7 +120,7 @@ void group_scalar(const Problem& p, int64_t g) {
           dot_scalar(q, xb + kBlock, lo);
           for (int h = 0; h < 2; ++h) dot[h] = 128 * dot[h] + lo[h];
         }
-        if (p.qtype == kQ8_0) {
+        if (L.zero == 128) {  // Q8_0 and the lut types
           const float d = row_scale(br, p.qtype, r, 0).d;
           acc[r] += static_cast<float>(dot[0] + dot[1] - 128 * p.xsum[tb]) * (d * xd);
         } else if (L.split) {

@@ -1,12 +1,12 @@
 """GGUF quant blocks <-> the packed kernel layout of ``engine/csrc/qlinear.h``, for every block type
-with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS).
 
 The layout: groups of 16 output rows, each a sequential run of "group-blocks" whose quants are
 interleaved in 4-byte words so that one vector instruction advances 16 rows at once; the last
 group is padded with zero rows.
 
 Both directions go through one neutral form, "units": each weight's unsigned integer quant
-(uint8 [N, K]; Q8_0's q + 128) and the per-block fields as the file holds them (fp16 scales as
+(uint8 [N, K]; Q8_0's q + 128; IQ4_NL/IQ4_XS the nibble that indexes their value table) and the per-block fields as the file holds them (fp16 scales as
 raw bytes, the K types' 6-bit scales and mins one byte each).  :func:`decode` / :func:`encode`
 convert GGUF bytes to and from units (a bijection: ``encode(decode(raw)) == raw``), and
 :func:`pack_units` / :func:`unpack_units` units to and from the packed layout.  Nothing is
@@ -24,22 +24,27 @@ BLOCK = 32
 SUPER = 256  # weights per K-type super-block
 
 # GGML type ids, as the native op takes them.
-QTYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+QTYPE_IDS = {
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23,
+}
 # (weights, bytes) of one GGUF block.
 GGUF_BLOCKS = {
-    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "IQ4_NL": (32, 18),
+    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
 }
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+# Types of 256-weight super-blocks with per-32 (Q6_K: per-16) scales: their packed groups keep a
+# header per super-block, and their activations share one scale per super-block.
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 BLOCK_BYTES = {q: b for q, (w, b) in GGUF_BLOCKS.items() if w == BLOCK}  # GGUF bytes per 32 weights (32-weight types)
 # Byte offsets of each GGUF block's fp16 fields (d, and m / dmin): with any bytes elsewhere a block
 # is valid, which is how tests and benchmarks make random ones.
 FP16_AT = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,),
 }
 # Per type: (quant bytes per row and 32-block: nibbles or Q8_0's bytes, high-bit plane bytes).
 _QUANT_BYTES = {"Q8_0": (32, 0), "Q5_0": (16, 4), "Q5_1": (16, 4), "Q5_K": (16, 4), "Q6_K": (16, 8)}
-_HEADER_BYTES = {"Q4_K": 64 + 256, "Q5_K": 64 + 256, "Q6_K": 32 + 256}  # per 16 rows and super-block
+_HEADER_BYTES = {"Q4_K": 64 + 256, "Q5_K": 64 + 256, "Q6_K": 32 + 256, "IQ4_XS": 32 + 128}  # per 16 rows and super-block
 
 
 def quant_bytes(qtype: str) -> tuple[int, int]:
@@ -113,21 +118,28 @@ def decode(raw: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, dict[st
     """GGUF blocks uint8 [N, K / block weights * block bytes] -> (unsigned quants uint8 [N, K], fields).
 
     Fields, uint8: non-K types "d" (and "m") [N, K/32, 2] fp16 bytes; Q4_K/Q5_K "d", "dmin"
-    [N, K/256, 2], "sc", "mn" [N, K/256, 8]; Q6_K "d" [N, K/256, 2], "sc" [N, K/256, 16] (int8 bits).
+    [N, K/256, 2], "sc", "mn" [N, K/256, 8]; Q6_K "d" [N, K/256, 2], "sc" [N, K/256, 16] (int8 bits);
+    IQ4_XS "d" [N, K/256, 2], "sc" [N, K/256, 8] (int8 bits of the 6-bit scale - 32, as it multiplies).
     """
     n = raw.shape[0]
     bw, bb = GGUF_BLOCKS[qtype]
     b = raw.reshape(n, k // bw, bb)
     if qtype == "Q8_0":
         return (b[..., 2:] ^ 0x80).reshape(n, k), {"d": b[..., 0:2]}
-    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):
         sb = 4 if qtype.endswith("_1") else 2
         fields = {"d": b[..., 0:2]} | ({"m": b[..., 2:4]} if sb == 4 else {})
-        if qtype.startswith("Q4"):
+        if not qtype.startswith("Q5"):
             return _nibbles(b[..., sb:]).reshape(n, k), fields
         q = _nibbles(b[..., sb + 4 :]) | (_bits_of_u32(b[..., sb : sb + 4]) << 4)
         return q.reshape(n, k), fields
     ns = k // SUPER
+    if qtype == "IQ4_XS":  # d, scales_h (u16: bits 2s..2s+1 the high bits of scale s), scales_l (nibbles), qs
+        d, sh, sl = b[..., 0:2], b[..., 2:4].to(torch.int32), b[..., 4:8]
+        high = ((sh[..., 0:1] | (sh[..., 1:2] << 8)) >> (2 * torch.arange(8, dtype=torch.int32))) & 3
+        ls = _nibbles(sl)[..., [0, 4, 1, 5, 2, 6, 3, 7]].to(torch.int32) | (high << 4)
+        q = _nibbles(b[..., 8:].reshape(n, ns, 8, 16))
+        return q.reshape(n, k), {"d": d, "sc": (ls - 32).to(torch.uint8)}
     if qtype == "Q6_K":
         ql, qh, sc, d = b[..., :128], b[..., 128:192], b[..., 192:208], b[..., 208:210]
         # element 128h + 32j + l: low nibble of ql[64h + 32(j % 2) + l] (>> 4 for j >= 2), high
@@ -153,7 +165,7 @@ def encode(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> torc
     bw, bb = GGUF_BLOCKS[qtype]
     if qtype == "Q8_0":
         return torch.cat([fields["d"], (q ^ 0x80).reshape(n, k // 32, 32)], dim=-1).reshape(n, -1)
-    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):
         qb = q.reshape(n, k // 32, 32)
         parts = [fields["d"]] + ([fields["m"]] if "m" in fields else [])
         if qtype.startswith("Q5"):
@@ -162,6 +174,12 @@ def encode(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> torc
         return torch.cat(parts, dim=-1).reshape(n, -1)
     ns = k // SUPER
     qs = q.reshape(n, ns, 256)
+    if qtype == "IQ4_XS":
+        ls = (fields["sc"].to(torch.int32) + 32) & 63
+        sl = (ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)
+        sh = ((ls >> 4) << (2 * torch.arange(8, dtype=torch.int32))).sum(-1, keepdim=True)
+        parts = [fields["d"], sh & 255, sh >> 8, sl, _join_nibbles(qs.reshape(n, ns, 8, 32)).reshape(n, ns, 128)]
+        return torch.cat([x.to(torch.uint8) for x in parts], dim=-1).reshape(n, -1)
     if qtype == "Q6_K":
         lo = (qs & 15).reshape(n, ns, 2, 2, 64)  # [h, sh, 64]
         ql = (lo[:, :, :, 0] | (lo[:, :, :, 1] << 4)).reshape(n, ns, 128)
@@ -248,8 +266,9 @@ def pack_units(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> 
         fs = [_row_fields(fields[name], groups) for name in ("d", "m") if name in fields]
         return torch.cat([blocks] + fs, dim=-1).reshape(-1).contiguous()
     ns = k // SUPER
-    if qtype == "Q6_K":
-        header = [_row_fields(fields["d"], groups), _row_fields(fields["sc"].reshape(rows, ns * 16, 1), groups).reshape(groups, ns, -1)]
+    if qtype in ("Q6_K", "IQ4_XS"):  # d, then one int8 scale per sub-block (Q6_K 16, IQ4_XS 8)
+        subs = fields["sc"].shape[-1]
+        header = [_row_fields(fields["d"], groups), _row_fields(fields["sc"].reshape(rows, ns * subs, 1), groups).reshape(groups, ns, -1)]
     else:
         header = [_row_fields(fields[name], groups) for name in ("d", "dmin")]
         header += [_row_fields(fields[name].reshape(rows, ns * 8, 1), groups).reshape(groups, ns, -1) for name in ("sc", "mn")]
@@ -267,9 +286,10 @@ def unpack_units(data: torch.Tensor, qtype: str, rows: int, k: int) -> tuple[tor
         s = data.reshape(groups, ns, -1)
         h = _HEADER_BYTES[qtype]
         blocks = s[..., h:].reshape(groups, nb, qbytes)
-        if qtype == "Q6_K":
+        if qtype in ("Q6_K", "IQ4_XS"):
+            subs = (h - 32) // GROUP_ROWS
             fields["d"] = _unrow_fields(s[..., 0:32], 2)
-            fields["sc"] = _unrow_fields(s[..., 32:288].reshape(groups, ns * 16, 16), 1).reshape(rows, ns, 16)
+            fields["sc"] = _unrow_fields(s[..., 32:h].reshape(groups, ns * subs, 16), 1).reshape(rows, ns, subs)
         else:
             fields["d"] = _unrow_fields(s[..., 0:32], 2)
             fields["dmin"] = _unrow_fields(s[..., 32:64], 2)

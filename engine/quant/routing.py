@@ -26,7 +26,10 @@ logger = logging.getLogger(__name__)
 
 # Two families by bytes per weight: "Q4" for the 4.5-5.5 bit types, "Q8" for the 6.6-8.5 bit ones,
 # whose block kernel saves fewer bytes over the dense or row-int8 paths and unpacks more per byte.
-FAMILY = {"Q4_0": "Q4", "Q4_1": "Q4", "Q5_0": "Q4", "Q5_1": "Q4", "Q4_K": "Q4", "Q5_K": "Q4", "Q6_K": "Q8", "Q8_0": "Q8"}
+FAMILY = {
+    "Q4_0": "Q4", "Q4_1": "Q4", "Q5_0": "Q4", "Q5_1": "Q4", "Q4_K": "Q4", "Q5_K": "Q4", "IQ4_NL": "Q4", "IQ4_XS": "Q4",
+    "Q6_K": "Q8", "Q8_0": "Q8",
+}
 
 # Largest batch sent to the packed kernel, by (family, activation bits): below the measured
 # crossovers with the dense GEMM, leaving room for hosts whose dense GEMM is relatively faster.

@@ -25,7 +25,7 @@ from tests.tiny_models import (
     tiny_gguf_reference_weights,
 )
 
-QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -355,8 +355,8 @@ def test_unsupported_gguf_architecture(tmp_path):
 
 
 def test_unsupported_quant_type(tmp_path):
-    path = make_tiny_gguf(tmp_path, "llama", "IQ4_NL")
-    with pytest.raises(ModelLoadError, match="unsupported quantization type IQ4_NL"):
+    path = make_tiny_gguf(tmp_path, "llama", "IQ2_XXS")
+    with pytest.raises(ModelLoadError, match="unsupported quantization type IQ2_XXS"):
         load_model(str(path), torch.float32)
 
 

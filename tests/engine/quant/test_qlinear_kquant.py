@@ -1,6 +1,6 @@
 """Packed kernels for the K-quant block types (Q4_K, Q5_K, Q6_K) and Q5_0 / Q5_1, the types a
 Q4_K_M / Q5_K_M / Q6_K file holds (llama-quantize falls back to Q5_0 / Q5_1 / Q8_0 for rows whose
-length is not a multiple of 256).  The reference is gguf.quants' own dequantization: the kernels
+length is not a multiple of 256), and the non-linear IQ4_NL / IQ4_XS of an IQ4_XS file.  The reference is gguf.quants' own dequantization: the kernels
 must compute with exactly the file's weights, the only rounding being the activations' (as for
 Q4_0 / Q8_0, tests/engine/quant/test_qlinear.py), which for the K types share one scale per
 256-element super-block, as llama.cpp's Q8_K does.
@@ -17,12 +17,12 @@ from tests.tiny_models import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not qweights.native_available(), reason="native extension unavailable")
 
-NEW_QTYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+NEW_QTYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 def act_block(qtype: str) -> int:
     """Activation elements that share one scale in the kernel, for weights of `qtype`."""
-    return 256 if qtype.endswith("_K") else 32
+    return 256 if qtype in qblocks.K_TYPES else 32
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0, scale: float = 0.002) -> torch.Tensor:
@@ -44,7 +44,7 @@ def packed(raw: torch.Tensor, qtype: str, n: int, k: int, isa_name=None, act_bit
 @pytest.mark.parametrize("qtype", NEW_QTYPES)
 def test_layout_roundtrip_and_dequantize(qtype):
     """unpack(pack(blocks)) gives the file's bytes back; the packed bytes stay the file's size (Q4_K,
-    Q5_K: 1/32 more, their 6-bit scales and mins unpacked to a byte); dequantize is gguf's."""
+    Q5_K: 1/32 more, their 6-bit scales and mins unpacked to a byte; IQ4_XS 1/64); dequantize is gguf's."""
     n, k = 37, 512
     raw = random_blocks(qtype, n, k, seed=1)
     data = qblocks.pack_blocks(raw, qtype, (n, k))
@@ -157,7 +157,7 @@ def test_mixed_qtype_merges_stack_their_parts(m):
     assert torch.equal(rows.data, ref.data) and torch.equal(rows.scales, ref.scales)
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1", "IQ4_XS", "IQ4_NL"])
 def test_k_quant_model_runs_packed_and_generates_the_dense_models_tokens(tmp_path, mix, caplog):
     """A tiny model in each K-quant mix loads with every projection packed (q/k/v of mixed types as
     parts) and greedy-generates what the dense float32 model of the same dequantized weights does."""
