@@ -1,7 +1,8 @@
 """What each GGUF weight type and KV-cache type costs in accuracy: KL divergence and top-1 agreement.
 
 The bundled SmolLM2-135M weights (its Q4_1 file) are requantized with llama.cpp's
-``llama-quantize --allow-requantize`` into Q4_K_M, Q5_K_M, Q6_K, Q8_0 and Q4_0 files, made once into
+``llama-quantize --allow-requantize`` into Q4_K_M, Q5_K_M, Q6_K, Q8_0 and Q4_0 files (and, asked for,
+IQ4_XS and Q3_K_M), made once into
 a cache directory outside the repository.  Each file is served as the server serves it (bf16,
 ``--weight-quant auto``) with each KV-cache type, and every position of a few thousand tokens of
 English text is compared with the float32 dense reference (the same Q4_1 weights dequantized, run
@@ -60,6 +61,8 @@ PUBLISHED: dict[str, dict[str, tuple[float, Optional[float]]]] = {
     "q4_k_m": {"L2 7B": (0.012686, 94.665), "L3 8B": (0.031273, 91.901)},
     "q4_1": {"L3 8B": (0.071683, None)},
     "q4_0": {"L3 8B": (0.071940, None)},
+    "iq4_xs": {"L3 8B, imatrix": (0.036334, None)},  # the scoreboard lists IQ4_XS with an imatrix only
+    "q3_k_m": {"L3 8B": (0.101913, None)},
 }
 
 

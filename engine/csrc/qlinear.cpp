@@ -62,7 +62,7 @@ struct Problem {
   const float* xd;
   const float* xs;
   const int32_t* xsum;
-  // Split types only (Layout::split, Q6_K, a K type): per row and block, the zero offset times
+  // Split types only (Layout::split, Q6_K and Q3_K, K types): per row and block, the zero offset times
   // the digit sums of elements 0-15 and of 16-31, laid out as xd but two apiece: taken off the
   // halves' integer sums, as Q8_0's 128 * xsum is, so that q - zero costs no float work.
   const int32_t* xsh = nullptr;
@@ -205,6 +205,7 @@ inline void dispatch_qtype(int qtype, const F& f) {
     case kQ4_1: f(std::integral_constant<int, kQ4_1>{}); break;
     case kQ5_0: f(std::integral_constant<int, kQ5_0>{}); break;
     case kQ5_1: f(std::integral_constant<int, kQ5_1>{}); break;
+    case kQ3_K: f(std::integral_constant<int, kQ3_K>{}); break;
     case kQ4_K: f(std::integral_constant<int, kQ4_K>{}); break;
     case kQ5_K: f(std::integral_constant<int, kQ5_K>{}); break;
     case kQ6_K: f(std::integral_constant<int, kQ6_K>{}); break;

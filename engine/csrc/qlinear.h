@@ -31,6 +31,8 @@
 //   Q6_K: 16 fp16 d, then per 16-weight sub-block s = 0..15 the 16 rows' int8 scales;
 //         value (d * sc) * (q - 32), sc of element i of group-block b that of sub-block 2b + i / 16
 //                                       header 288 + 8 x 384 = 3360 bytes (file 210 x 16 = 3360)
+//   Q3_K: Q6_K's header (its int8 scales the file's 6-bit ones - 32), 3-bit quants in nibbles;
+//         value (d * sc) * (q - 4)      header 288 + 8 x 256 = 2336 bytes (file 110 x 16 = 1760)
 // The non-linear 4-bit types store nibbles q that index kIq4Values (lut): the kernels look each
 // nibble up as kIq4Values[q] + 128, an unsigned byte, and from there compute as for Q8_0 (zero 128).
 //   IQ4_NL: 4 nibble chunks, 16 fp16 d                    d * kIq4Values[q] 288 bytes (file 18/32)
@@ -63,12 +65,13 @@ constexpr int kRowsBlockBytes = kGroupRows * kBlock;  // a row-scaled int8 group
 
 // GGML type ids, the qtype argument of the ops.
 enum QType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23
 };
 
 constexpr bool qtype_known(int qt) {
   return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 || qt == kQ4_K || qt == kQ5_K ||
-         qt == kQ6_K || qt == kIQ4_NL || qt == kIQ4_XS;
+         qt == kQ6_K || qt == kQ3_K || qt == kIQ4_NL || qt == kIQ4_XS;
 }
 
 // IQ4_NL / IQ4_XS: the values their nibbles index (ggml's kvalues_iq4nl), and the same plus 128
@@ -88,7 +91,7 @@ struct Layout {
                      // 128 (Q8_0, the lut types) is taken off in integers, as 128 * sum(x_q)
   bool has_m;        // an additive per-row offset: Q4_1/Q5_1 fp16 m, or K types' -dmin * min
   bool kquant;       // 256-weight super-blocks with a header of per-row fields
-  bool split;        // two scales per 32-block (Q6_K: elements 0-15 and 16-31): their integer sums stay apart
+  bool split;        // two scales per 32-block (Q6_K, Q3_K: elements 0-15 and 16-31): their integer sums stay apart
   int header;        // K types: bytes of the super-block header
   bool lut = false;  // nibbles index kIq4Values (IQ4_NL, IQ4_XS), looked up as iq4_byte
 };
@@ -102,6 +105,7 @@ constexpr Layout layout(int qt) {
     case kQ4_K: return {4, 0, 0, true, true, false, 64 + 256};
     case kQ5_K: return {4, 1, 0, true, true, false, 64 + 256};
     case kQ6_K: return {4, 2, 32, false, true, true, 32 + 256};
+    case kQ3_K: return {4, 0, 4, false, true, true, 32 + 256};
     case kIQ4_NL: return {4, 0, 128, false, false, false, 0, true};
     case kIQ4_XS: return {4, 0, 128, false, true, false, 32 + 128, true};
     default: return {8, 0, 128, false, false, false, 0};  // Q8_0
@@ -174,7 +178,8 @@ inline RowScale row_scale(const BlockRef& br, int qt, int r, int h) {
       const float sc = br.fields[64 + br.sub * 16 + r], mn = br.fields[64 + 128 + br.sub * 16 + r];
       return {d * sc, -(dmin * mn)};
     }
-    case kQ6_K: {
+    case kQ6_K:
+    case kQ3_K: {
       const float d = group_block_half(br.fields, 0, r);
       return {d * static_cast<float>(static_cast<int8_t>(br.fields[32 + (2 * br.sub + h) * 16 + r])), 0.f};
     }

@@ -89,7 +89,7 @@ QL_TARGET inline void block_scales(const BlockRef& br, int h, int part, __m256& 
     dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 64 + br.sub * 16 + h * 8, false));
     mv = _mm256_xor_ps(_mm256_mul_ps(half8(br.fields + 32 + h * 16), bytes8(br.fields + 192 + br.sub * 16 + h * 8, false)),
                        _mm256_set1_ps(-0.f));
-  } else if (QT == kQ6_K) {  // its offset is taken off in integers (Problem::xsh): no mv
+  } else if (QT == kQ6_K || QT == kQ3_K) {  // their offset is taken off in integers (Problem::xsh): no mv
     dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 32 + (2 * br.sub + part) * 16 + h * 8, true));
     mv = _mm256_setzero_ps();
   } else if (QT == kIQ4_XS) {  // its offset 128 is taken off in integers: no mv

@@ -221,7 +221,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const 
     mv = _mm512_castsi512_ps(_mm512_xor_si512(  // -(dmin * min), as row_scale
         _mm512_castps_si512(_mm512_mul_ps(half16_avx512(br.fields + 32), bytes16_avx512(br.fields + 192 + br.sub * 16, false))),
         _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-  } else if (QT == kQ6_K) {  // its offset is taken off in integers (Problem::xsh): no mv
+  } else if (QT == kQ6_K || QT == kQ3_K) {  // their offset is taken off in integers (Problem::xsh): no mv
     dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 32 + (2 * br.sub + h) * 16, true));
     mv = _mm512_setzero_ps();
   } else if (QT == kIQ4_XS) {  // its offset 128 is taken off in integers: no mv

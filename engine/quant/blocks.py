@@ -1,5 +1,5 @@
 """GGUF quant blocks <-> the packed kernel layout of ``engine/csrc/qlinear.h``, for every block type
-with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS).
+with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS).
 
 The layout: groups of 16 output rows, each a sequential run of "group-blocks" whose quants are
 interleaved in 4-byte words so that one vector instruction advances 16 rows at once; the last
@@ -10,7 +10,8 @@ Both directions go through one neutral form, "units": each weight's unsigned int
 raw bytes, the K types' 6-bit scales and mins one byte each).  :func:`decode` / :func:`encode`
 convert GGUF bytes to and from units (a bijection: ``encode(decode(raw)) == raw``), and
 :func:`pack_units` / :func:`unpack_units` units to and from the packed layout.  Nothing is
-rounded: the packed weights dequantize to exactly the file's values.
+rounded: the packed weights dequantize to exactly the file's values.  (Q3_K's 3-bit quants take a
+nibble each, so its packed blocks are 1.33x the file's bytes; every other type's are within 3%.)
 """
 
 from __future__ import annotations
@@ -25,26 +26,27 @@ SUPER = 256  # weights per K-type super-block
 
 # GGML type ids, as the native op takes them.
 QTYPE_IDS = {
-    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23,
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
+    "IQ4_XS": 23,
 }
 # (weights, bytes) of one GGUF block.
 GGUF_BLOCKS = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "IQ4_NL": (32, 18),
-    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
+    "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
 }
 # Types of 256-weight super-blocks with per-32 (Q6_K: per-16) scales: their packed groups keep a
 # header per super-block, and their activations share one scale per super-block.
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+K_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 BLOCK_BYTES = {q: b for q, (w, b) in GGUF_BLOCKS.items() if w == BLOCK}  # GGUF bytes per 32 weights (32-weight types)
 # Byte offsets of each GGUF block's fp16 fields (d, and m / dmin): with any bytes elsewhere a block
 # is valid, which is how tests and benchmarks make random ones.
 FP16_AT = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "IQ4_NL": (0,), "IQ4_XS": (0,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "Q3_K": (108,),
 }
 # Per type: (quant bytes per row and 32-block: nibbles or Q8_0's bytes, high-bit plane bytes).
 _QUANT_BYTES = {"Q8_0": (32, 0), "Q5_0": (16, 4), "Q5_1": (16, 4), "Q5_K": (16, 4), "Q6_K": (16, 8)}
-_HEADER_BYTES = {"Q4_K": 64 + 256, "Q5_K": 64 + 256, "Q6_K": 32 + 256, "IQ4_XS": 32 + 128}  # per 16 rows and super-block
+_HEADER_BYTES = {"Q3_K": 32 + 256, "Q4_K": 64 + 256, "Q5_K": 64 + 256, "Q6_K": 32 + 256, "IQ4_XS": 32 + 128}  # per 16 rows and super-block
 
 
 def quant_bytes(qtype: str) -> tuple[int, int]:
@@ -118,7 +120,8 @@ def decode(raw: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, dict[st
     """GGUF blocks uint8 [N, K / block weights * block bytes] -> (unsigned quants uint8 [N, K], fields).
 
     Fields, uint8: non-K types "d" (and "m") [N, K/32, 2] fp16 bytes; Q4_K/Q5_K "d", "dmin"
-    [N, K/256, 2], "sc", "mn" [N, K/256, 8]; Q6_K "d" [N, K/256, 2], "sc" [N, K/256, 16] (int8 bits);
+    [N, K/256, 2], "sc", "mn" [N, K/256, 8]; Q6_K and Q3_K "d" [N, K/256, 2], "sc" [N, K/256, 16] (int8
+    bits; Q3_K's the 6-bit scale - 32, as it multiplies);
     IQ4_XS "d" [N, K/256, 2], "sc" [N, K/256, 8] (int8 bits of the 6-bit scale - 32, as it multiplies).
     """
     n = raw.shape[0]
@@ -134,6 +137,17 @@ def decode(raw: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, dict[st
         q = _nibbles(b[..., sb + 4 :]) | (_bits_of_u32(b[..., sb : sb + 4]) << 4)
         return q.reshape(n, k), fields
     ns = k // SUPER
+    if qtype == "Q3_K":  # hmask, qs, scales (12), d; element 128h + 32s + l: bits 2s..2s+1 of
+        # qs[32h + l], high bit (set: no -4 offset) bit 4h + s of hmask[l]; 16 six-bit scales: low
+        # nibbles of bytes 0-7 then their high nibbles, high 2 bits in bytes 8-11 (scale 4s + j: bits 2s of byte 8 + j)
+        hm, qs, sb, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], b[..., 108:110]
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+        lo = (qs.reshape(n, ns, 2, 1, 32) >> shifts.reshape(1, 1, 1, 4, 1)) & 3  # [h, s, l]
+        hi = (hm.reshape(n, ns, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1  # [4h + s, l]
+        q = lo.reshape(n, ns, 256) | (hi.reshape(n, ns, 256) << 2)
+        low = _nibbles(sb[..., 0:8])
+        high = ((sb[..., 8:12].reshape(n, ns, 1, 4) >> shifts.reshape(1, 1, 4, 1)) & 3).reshape(n, ns, 16)
+        return q.reshape(n, k), {"d": d, "sc": ((low | (high << 4)).to(torch.int32) - 32).to(torch.uint8)}
     if qtype == "IQ4_XS":  # d, scales_h (u16: bits 2s..2s+1 the high bits of scale s), scales_l (nibbles), qs
         d, sh, sl = b[..., 0:2], b[..., 2:4].to(torch.int32), b[..., 4:8]
         high = ((sh[..., 0:1] | (sh[..., 1:2] << 8)) >> (2 * torch.arange(8, dtype=torch.int32))) & 3
@@ -174,6 +188,17 @@ def encode(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> torc
         return torch.cat(parts, dim=-1).reshape(n, -1)
     ns = k // SUPER
     qs = q.reshape(n, ns, 256)
+    if qtype == "Q3_K":
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
+        lo = (qs & 3).reshape(n, ns, 2, 4, 32).to(torch.int32)
+        qs_bytes = (lo << shifts.reshape(1, 1, 1, 4, 1)).sum(3).reshape(n, ns, 64)
+        hi = ((qs >> 2) & 1).reshape(n, ns, 8, 32).to(torch.int32)
+        hm = (hi << torch.arange(8, dtype=torch.int32).reshape(1, 1, 8, 1)).sum(2)
+        ls = (fields["sc"].to(torch.int32) + 32) & 63
+        low = (ls[..., 0:8] & 15) | ((ls[..., 8:16] & 15) << 4)
+        high = ((ls >> 4).reshape(n, ns, 4, 4) << shifts.reshape(1, 1, 4, 1)).sum(2)
+        parts = [hm, qs_bytes, low, high, fields["d"]]
+        return torch.cat([x.to(torch.uint8) for x in parts], dim=-1).reshape(n, -1)
     if qtype == "IQ4_XS":
         ls = (fields["sc"].to(torch.int32) + 32) & 63
         sl = (ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)
@@ -266,7 +291,7 @@ def pack_units(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> 
         fs = [_row_fields(fields[name], groups) for name in ("d", "m") if name in fields]
         return torch.cat([blocks] + fs, dim=-1).reshape(-1).contiguous()
     ns = k // SUPER
-    if qtype in ("Q6_K", "IQ4_XS"):  # d, then one int8 scale per sub-block (Q6_K 16, IQ4_XS 8)
+    if qtype in ("Q6_K", "Q3_K", "IQ4_XS"):  # d, then one int8 scale per sub-block (Q6_K, Q3_K 16; IQ4_XS 8)
         subs = fields["sc"].shape[-1]
         header = [_row_fields(fields["d"], groups), _row_fields(fields["sc"].reshape(rows, ns * subs, 1), groups).reshape(groups, ns, -1)]
     else:
@@ -286,7 +311,7 @@ def unpack_units(data: torch.Tensor, qtype: str, rows: int, k: int) -> tuple[tor
         s = data.reshape(groups, ns, -1)
         h = _HEADER_BYTES[qtype]
         blocks = s[..., h:].reshape(groups, nb, qbytes)
-        if qtype in ("Q6_K", "IQ4_XS"):
+        if qtype in ("Q6_K", "Q3_K", "IQ4_XS"):
             subs = (h - 32) // GROUP_ROWS
             fields["d"] = _unrow_fields(s[..., 0:32], 2)
             fields["sc"] = _unrow_fields(s[..., 32:h].reshape(groups, ns * subs, 16), 1).reshape(rows, ns, subs)
