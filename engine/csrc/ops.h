@@ -47,7 +47,7 @@ torch::Tensor dense_bf16_packed_forward(const torch::Tensor& x, const torch::Ten
 
 // ---- qlinear_rows.cpp ----
 // [data, scales]: the row-scaled int8 copy (qlinear.h) of a packed weight [n, k] (any qtype of qlinear.h),
-// bit-identical to engine/layers/quant.py's torch definition (quantize_rows_int8 of the dequantized blocks).
+// bit-identical to engine/quant/weights.py's torch definition (quantize_rows_int8 of the dequantized blocks).
 std::vector<torch::Tensor> qlinear_rows_from_packed(const torch::Tensor& packed, int64_t qtype, int64_t n, int64_t k);
 // ---- end qlinear_rows.cpp ----
 

@@ -43,9 +43,9 @@
 // kernels' per-block scales are the file's own.  group_block_bytes() is the average bytes per
 // group-block (super-block / 8 for the K types), so a group is nb * group_block_bytes() bytes.
 //
-// The last group is padded with zero rows.  engine/layers/quant.py builds this layout.
+// The last group is padded with zero rows.  engine/quant/blocks.py builds this layout.
 //
-// Row-scaled int8 (large batches, built from any of the above by engine/layers/quant.py): the
+// Row-scaled int8 (large batches, built from any of the above by engine/quant/weights.py): the
 // same groups of 16 rows and 32-blocks, 8 chunks of (q + 128) per group-block as in Q8_0, but one
 // float scale per output row (value = scale[row] * q), kept in a separate float32 tensor.  With
 // no per-block weight scale, a block's integer dot product needs one convert and one FMA (by the

@@ -1,8 +1,8 @@
 // The row-scaled int8 copy of a packed GGUF-block weight (both layouts in qlinear.h), built at load.
 //
-// engine/layers/quant.py defines the conversion in torch ops (dequantize the blocks to float32, round
-// each row to int8 against its largest magnitude); on the default model that took ~0.85 s of every
-// start-up in full-size float32 temporaries.  This does the same arithmetic one row at a time, rows
+// engine/quant/weights.py (quantize_rows_int8) defines the conversion in torch ops (dequantize the
+// blocks to float32, round each row to int8 against its largest magnitude), which at load costs
+// seconds and full-size float32 temporaries.  This does the same arithmetic one row at a time, rows
 // of a group in cache, groups split across threads, and must stay bit-identical to the torch
 // definition (tests/engine/quant/test_qlinear.py compares them): the same float32 operations in the same order,
 // separate multiplies and adds (no FMA: neither the baseline x86-64 target nor the AVX2 clone below
