@@ -87,8 +87,8 @@ alignas(16) constexpr uint8_t kIq4Bytes[16] = {iq4_byte(0),  iq4_byte(1),  iq4_b
 struct Layout {
   int quant_chunks;  // 64-byte chunks of quant bytes (8: Q8_0 bytes; 4: nibbles)
   int plane_chunks;  // chunks of high bits after the nibbles (0, 1: Q5, 2: Q6)
-  int zero;          // the integer subtracted from the unsigned quant (8, 16, 32, 128; 0: an offset field m instead);
-                     // 128 (Q8_0, the lut types) is taken off in integers, as 128 * sum(x_q)
+  int zero;          // the integer subtracted from the unsigned quant (4, 8, 16, 32, 128; 0: an offset field m instead),
+                     // taken off in integers, as zero * sum(x_q) (per half for the split types: Problem::xsh)
   bool has_m;        // an additive per-row offset: Q4_1/Q5_1 fp16 m, or K types' -dmin * min
   bool kquant;       // 256-weight super-blocks with a header of per-row fields
   bool split;        // two scales per 32-block (Q6_K, Q3_K: elements 0-15 and 16-31): their integer sums stay apart

@@ -80,8 +80,8 @@ QL_TARGET inline __m256i digits_dot(const __m256i* w, const int8_t* xb, int c0, 
   return s;
 }
 
-// Rows [8h, 8h + 8)'s scale d and offset m - zero * d of group-block `br`, elements [16 part,
-// 16 part + 16) (block_scales_avx512 in 8 lanes).
+// Rows [8h, 8h + 8)'s scale d and offset m of group-block `br`, elements [16 part, 16 part + 16)
+// (block_scales_avx512 in 8 lanes).
 template <int QT>
 QL_TARGET inline void block_scales(const BlockRef& br, int h, int part, __m256& dv, __m256& mv) {
   constexpr Layout L = layout(QT);
@@ -97,7 +97,7 @@ QL_TARGET inline void block_scales(const BlockRef& br, int h, int part, __m256& 
     mv = _mm256_setzero_ps();
   } else {
     dv = half8(br.fields + h * 16);
-    mv = L.has_m ? half8(br.fields + 32 + h * 16) : L.zero == 128 ? _mm256_setzero_ps() : _mm256_mul_ps(dv, _mm256_set1_ps(-static_cast<float>(L.zero)));
+    mv = L.has_m ? half8(br.fields + 32 + h * 16) : _mm256_setzero_ps();
   }
 }
 
@@ -156,11 +156,10 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
         }
       } else {
         __m256i s = digits_dot<QT, DIGITS>(w, xb, 0, 8);
-#if QL_VNNI
-        if (L.zero == 128) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * p.xsum[tb]));
-#endif
+        // the weights are value + zero: remove zero * sum(x_q) (without VNNI, 128 is off already: signed bytes)
+        if (!L.has_m && (L.zero != 128 || QL_VNNI)) s = _mm256_sub_epi32(s, _mm256_set1_epi32(L.zero * p.xsum[tb]));
         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), L.kquant ? dv[0] : _mm256_mul_ps(dv[0], _mm256_set1_ps(p.xd[tb])), a);
-        if (L.zero != 128) a = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), a);
+        if (L.has_m) a = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), a);
       }
       if (L.kquant && br.sub == kSuperBlocks - 1) {
         acc[t] = _mm256_fmadd_ps(sb[t], _mm256_set1_ps(p.xd[tb]), acc[t]);

@@ -211,8 +211,9 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512 bytes16_avx512(const uin
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
 
-// The 16 rows' scale d and offset m - zero * d of group-block `br`, elements [16h, 16h + 16)
-// (row_scale in 16 lanes; the offset multiplies the activation block's xs).
+// The 16 rows' scale d and offset m of group-block `br`, elements [16h, 16h + 16) (row_scale in
+// 16 lanes; the offset, Q4_1/Q5_1's m or the K types' -dmin * min, multiplies the activation
+// block's xs; every zero offset is taken off in integers, Layout::zero).
 template <int QT>
 CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const BlockRef& br, int h, __m512& dv, __m512& mv) {
   constexpr Layout L = layout(QT);
@@ -229,7 +230,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const 
     mv = _mm512_setzero_ps();
   } else {
     dv = half16_avx512(br.fields);
-    mv = L.has_m ? half16_avx512(br.fields + 32) : L.zero == 128 ? _mm512_setzero_ps() : _mm512_mul_ps(dv, _mm512_set1_ps(-static_cast<float>(L.zero)));
+    mv = L.has_m ? half16_avx512(br.fields + 32) : _mm512_setzero_ps();
   }
 }
 
@@ -337,10 +338,10 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
         } else {
           __m512i sum = dsum[0];
           if (kSums == 2) sum = _mm512_add_epi32(sum, dsum[kSums - 1]);
-          // Q8_0's and the lut types' weights are value + 128: remove 128 * sum(x_q)
-          if (L.zero == 128) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * p.xsum[tb]));
+          // the weights are value + zero: remove zero * sum(x_q) (an FMA by the offset cost 10%)
+          if (!L.has_m) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(L.zero * p.xsum[tb]));
           a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), L.kquant ? dv[0] : _mm512_mul_ps(dv[0], _mm512_set1_ps(p.xd[tb])), a);
-          if (L.zero != 128) a = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(p.xs[tb]), a);
+          if (L.has_m) a = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(p.xs[tb]), a);
         }
         if constexpr (L.kquant) {
           if (br.sub == kSuperBlocks - 1) {

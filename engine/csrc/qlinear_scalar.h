@@ -92,9 +92,9 @@ inline void dot_scalar(const uint8_t* q, const int8_t* xb, int32_t dot[2]) {
 }
 
 // The scalar reference of every block type: per row and block the integer dot product of the
-// unsigned quants, then the float steps the SIMD kernels take (Q8_0: remove 128 * sum(x_q) in
-// integers, and split types 32 * each half's sum, then the dot times d * xd; the rest: the dot
-// times d * xd plus the offset m - zero * d times xd * sum(x_q)).  K types share xd over a
+// unsigned quants, then the float steps the SIMD kernels take (remove zero * sum(x_q) in
+// integers, per half for the split types, then the dot times d * xd; the types with an offset
+// field: the dot times d * xd plus the offset m times xd * sum(x_q)).  K types share xd over a
 // super-block (act_span): there the block's terms go without it into a super-block sum, which
 // meets xd once, at the super-block's end.  Rows are row after row here (Problem::xtile 1).
 void group_scalar(const Problem& p, int64_t g) {
@@ -120,17 +120,13 @@ void group_scalar(const Problem& p, int64_t g) {
           dot_scalar(q, xb + kBlock, lo);
           for (int h = 0; h < 2; ++h) dot[h] = 128 * dot[h] + lo[h];
         }
-        if (L.zero == 128) {  // Q8_0 and the lut types
-          const float d = row_scale(br, p.qtype, r, 0).d;
-          acc[r] += static_cast<float>(dot[0] + dot[1] - 128 * p.xsum[tb]) * (d * xd);
-        } else if (L.split) {
+        if (L.split) {
           for (int h = 0; h < 2; ++h)
             acc[r] = std::fma(static_cast<float>(dot[h] - p.xsh[2 * tb + h]), row_scale(br, p.qtype, r, h).d * xd, acc[r]);
         } else {
           const RowScale rs = row_scale(br, p.qtype, r, 0);
-          const float m = L.has_m ? rs.m : rs.d * static_cast<float>(-L.zero);
-          acc[r] = std::fma(static_cast<float>(dot[0] + dot[1]), rs.d * xd, acc[r]);
-          acc[r] = std::fma(m, xs, acc[r]);
+          acc[r] = std::fma(static_cast<float>(dot[0] + dot[1] - (L.has_m ? 0 : L.zero * p.xsum[tb])), rs.d * xd, acc[r]);
+          if (L.has_m) acc[r] = std::fma(rs.m, xs, acc[r]);
         }
         if (L.kquant && br.sub == kSuperBlocks - 1) {
           out[r] = std::fma(sb[r], p.xd[tb], out[r]);
