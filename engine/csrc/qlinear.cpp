@@ -52,9 +52,9 @@ struct Problem {
   int m;        // activation rows
   // Quantized activations, per row `ldq` bytes: each 32-block is `digits` planes of 32 int8
   // (1: q; 2: the high and low base-128 digits a, b of a 15-bit q = 128 a + b).  Per block:
-  // xd scale (x ~ xd * q), xs = xd * sum(q) (K types: sum(q), their super-block's xd applied
-  // once, see QuantRow), xsum = sum(q).  The AVX-512 kernels take them in tiles of `xtile` rows
-  // (ActTiles below; 1: row after row).
+  // xd scale (x ~ xd * q), xs = xd * sum(q) (Q4_1 / Q5_1's offsets; K types: sum(q), their
+  // super-block's xd applied once, see QuantRow), xsum = sum(q) (the zero offsets, the K types'
+  // mins).  The AVX-512 kernels take them in tiles of `xtile` rows (ActTiles below; 1: row after row).
   int digits;
   int64_t ldq;
   int xtile = 1;

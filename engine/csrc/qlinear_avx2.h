@@ -87,8 +87,7 @@ QL_TARGET inline void block_scales(const BlockRef& br, int h, int part, __m256& 
   constexpr Layout L = layout(QT);
   if (QT == kQ4_K || QT == kQ5_K) {
     dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 64 + br.sub * 16 + h * 8, false));
-    mv = _mm256_xor_ps(_mm256_mul_ps(half8(br.fields + 32 + h * 16), bytes8(br.fields + 192 + br.sub * 16 + h * 8, false)),
-                       _mm256_set1_ps(-0.f));
+    mv = _mm256_setzero_ps();  // the mins meet the activations at the super-block's end
   } else if (QT == kQ6_K || QT == kQ3_K) {  // their offset is taken off in integers (Problem::xsh): no mv
     dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 32 + (2 * br.sub + part) * 16 + h * 8, true));
     mv = _mm256_setzero_ps();
@@ -159,7 +158,15 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
         // the weights are value + zero: remove zero * sum(x_q) (without VNNI, 128 is off already: signed bytes)
         if (!L.has_m && (L.zero != 128 || QL_VNNI)) s = _mm256_sub_epi32(s, _mm256_set1_epi32(L.zero * p.xsum[tb]));
         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), L.kquant ? dv[0] : _mm256_mul_ps(dv[0], _mm256_set1_ps(p.xd[tb])), a);
-        if (L.has_m) a = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), a);
+        if (L.has_m && !L.kquant) a = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), a);
+      }
+      if (L.kquant && L.has_m && br.sub == kSuperBlocks - 1) {  // - dmin * sum_s min_s * xsum_s (super_block_mins_avx512)
+        __m256i mins = _mm256_setzero_si256();
+        for (int s = 0; s < kSuperBlocks; ++s) {
+          const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(br.fields + 192 + s * 16 + h * 8)));
+          mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(m, _mm256_set1_epi32(p.xsum[tb - (kSuperBlocks - 1 - s)])));
+        }
+        sb[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), half8(br.fields + 32 + h * 16), sb[t]);
       }
       if (L.kquant && br.sub == kSuperBlocks - 1) {
         acc[t] = _mm256_fmadd_ps(sb[t], _mm256_set1_ps(p.xd[tb]), acc[t]);

@@ -212,16 +212,14 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512 bytes16_avx512(const uin
 }
 
 // The 16 rows' scale d and offset m of group-block `br`, elements [16h, 16h + 16) (row_scale in
-// 16 lanes; the offset, Q4_1/Q5_1's m or the K types' -dmin * min, multiplies the activation
-// block's xs; every zero offset is taken off in integers, Layout::zero).
+// 16 lanes; the offset, Q4_1/Q5_1's m, multiplies the activation block's xs; the K types' mins
+// meet the activations at the super-block's end, and every zero offset comes off in integers).
 template <int QT>
 CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const BlockRef& br, int h, __m512& dv, __m512& mv) {
   constexpr Layout L = layout(QT);
   if (QT == kQ4_K || QT == kQ5_K) {
     dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 64 + br.sub * 16, false));
-    mv = _mm512_castsi512_ps(_mm512_xor_si512(  // -(dmin * min), as row_scale
-        _mm512_castps_si512(_mm512_mul_ps(half16_avx512(br.fields + 32), bytes16_avx512(br.fields + 192 + br.sub * 16, false))),
-        _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+    mv = _mm512_setzero_ps();  // super_block_mins_avx512
   } else if (QT == kQ6_K || QT == kQ3_K) {  // their offset is taken off in integers (Problem::xsh): no mv
     dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 32 + (2 * br.sub + h) * 16, true));
     mv = _mm512_setzero_ps();
@@ -232,6 +230,43 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const 
     dv = half16_avx512(br.fields);
     mv = L.has_m ? half16_avx512(br.fields + 32) : _mm512_setzero_ps();
   }
+}
+
+// Q4_K / Q5_K: for the 16 rows, the sum over the super-block's sub-blocks s of min_s * xsum_s
+// (the activation row's block sums at xsum[s * stride]), exact in int32, so that the offsets
+// cost one FMA by -dmin a super-block instead of one by -dmin * min a block (on Zen 4 FMAs share
+// the multiply pipes with vpdpbusd).  8-bit activations (|xsum| < 2^12): the mins as int16
+// pairs, two sub-blocks a vpdpwssd; 15-bit ones: one vpmulld a sub-block.
+struct SuperBlockMins {
+  __m512i v[kSuperBlocks];
+};
+template <int DIGITS>
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline SuperBlockMins super_block_mins_avx512(const uint8_t* header) {
+  SuperBlockMins m;
+  const uint8_t* mins = header + 64 + 128;  // per sub-block the 16 rows' bytes
+  for (int s = 0; s < kSuperBlocks; s += (DIGITS == 1 ? 2 : 1)) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + s * 16));
+    if (DIGITS == 1) {  // lane r: (min_s, min_s+1) of row r as int16
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + (s + 1) * 16));
+      m.v[s / 2] = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)), _mm_unpackhi_epi8(a, b), 1));
+    } else {
+      m.v[s] = _mm512_cvtepu8_epi32(a);
+    }
+  }
+  return m;
+}
+template <int DIGITS>
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512i super_block_min_sum_avx512(const SuperBlockMins& m, const int32_t* xsum, int64_t stride) {
+  __m512i sum = _mm512_setzero_si512();
+  for (int s = 0; s < kSuperBlocks; s += (DIGITS == 1 ? 2 : 1)) {
+    if (DIGITS == 1) {
+      const uint32_t pair = static_cast<uint16_t>(xsum[s * stride]) | static_cast<uint32_t>(xsum[(s + 1) * stride]) << 16;
+      sum = _mm512_dpwssd_epi32(sum, m.v[s / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
+    } else {
+      sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(m.v[s], _mm512_set1_epi32(xsum[s * stride])));
+    }
+  }
+  return sum;
 }
 
 // acc + w (unsigned bytes) . the 4 signed bytes at x in every lane, the broadcast taken by the
@@ -326,6 +361,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
       const BlockRef bi{br.q + i * gstride, br.fields + i * gstride, br.sub};
       __m512 dv[2], mv[2];
       for (int h = 0; h < (L.split ? 2 : 1); ++h) block_scales_avx512<QT>(bi, h, dv[h], mv[h]);
+#pragma GCC unroll 8
       for (int t = 0; t < MT; ++t) {
         const int64_t tb = dt + static_cast<int64_t>(b) * h + t;
         __m512i dsum[kSums];  // the digits combined
@@ -338,16 +374,23 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
         } else {
           __m512i sum = dsum[0];
           if (kSums == 2) sum = _mm512_add_epi32(sum, dsum[kSums - 1]);
-          // the weights are value + zero: remove zero * sum(x_q) (an FMA by the offset cost 10%)
+          // the weights are value + zero: remove zero * sum(x_q) in integers (no FMA by the offset)
           if (!L.has_m) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(L.zero * p.xsum[tb]));
           a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), L.kquant ? dv[0] : _mm512_mul_ps(dv[0], _mm512_set1_ps(p.xd[tb])), a);
-          if (L.has_m) a = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(p.xs[tb]), a);
+          if (L.has_m && !L.kquant) a = _mm512_fmadd_ps(mv[0], _mm512_set1_ps(p.xs[tb]), a);
         }
-        if constexpr (L.kquant) {
-          if (br.sub == kSuperBlocks - 1) {
-            _mm512_store_ps(out[i][t], _mm512_fmadd_ps(sb[i][t], _mm512_set1_ps(p.xd[tb]), _mm512_load_ps(out[i][t])));
-            sb[i][t] = _mm512_setzero_ps();
-          }
+      }
+      if (L.kquant && br.sub == kSuperBlocks - 1) {  // the super-block's end: (sb - dmin * mins) * xd into out
+        SuperBlockMins mins;
+        if (L.has_m) mins = super_block_mins_avx512<DIGITS>(bi.fields);
+#pragma GCC unroll 8
+        for (int t = 0; t < MT; ++t) {
+          const int64_t tb = dt + static_cast<int64_t>(b) * h + t;
+          if (L.has_m)
+            sb[i][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(super_block_min_sum_avx512<DIGITS>(mins, p.xsum + tb - (kSuperBlocks - 1) * h, h)),
+                                        half16_avx512(bi.fields + 32), sb[i][t]);
+          _mm512_store_ps(out[i][t], _mm512_fmadd_ps(sb[i][t], _mm512_set1_ps(p.xd[tb]), _mm512_load_ps(out[i][t])));
+          sb[i][t] = _mm512_setzero_ps();
         }
       }
     }

@@ -93,8 +93,9 @@ inline void dot_scalar(const uint8_t* q, const int8_t* xb, int32_t dot[2]) {
 
 // The scalar reference of every block type: per row and block the integer dot product of the
 // unsigned quants, then the float steps the SIMD kernels take (remove zero * sum(x_q) in
-// integers, per half for the split types, then the dot times d * xd; the types with an offset
-// field: the dot times d * xd plus the offset m times xd * sum(x_q)).  K types share xd over a
+// integers, per half for the split types, then the dot times d * xd; Q4_1 / Q5_1: the dot times
+// d * xd plus the offset m times xd * sum(x_q); Q4_K / Q5_K: the mins at the super-block's end,
+// -dmin times the integer sum of min * sum(x_q) over its blocks).  K types share xd over a
 // super-block (act_span): there the block's terms go without it into a super-block sum, which
 // meets xd once, at the super-block's end.  Rows are row after row here (Problem::xtile 1).
 void group_scalar(const Problem& p, int64_t g) {
@@ -126,7 +127,12 @@ void group_scalar(const Problem& p, int64_t g) {
         } else {
           const RowScale rs = row_scale(br, p.qtype, r, 0);
           acc[r] = std::fma(static_cast<float>(dot[0] + dot[1] - (L.has_m ? 0 : L.zero * p.xsum[tb])), rs.d * xd, acc[r]);
-          if (L.has_m) acc[r] = std::fma(rs.m, xs, acc[r]);
+          if (L.has_m && !L.kquant) acc[r] = std::fma(rs.m, xs, acc[r]);
+        }
+        if (L.kquant && L.has_m && br.sub == kSuperBlocks - 1) {  // as super_block_min_sum_avx512
+          int32_t mins = 0;
+          for (int s = 0; s < kSuperBlocks; ++s) mins += br.fields[64 + 128 + s * 16 + r] * p.xsum[tb - (kSuperBlocks - 1 - s)];
+          sb[r] = std::fma(-group_block_half(br.fields, 32, r), static_cast<float>(mins), sb[r]);
         }
         if (L.kquant && br.sub == kSuperBlocks - 1) {
           out[r] = std::fma(sb[r], p.xd[tb], out[r]);
