@@ -52,9 +52,9 @@ struct Problem {
   int m;        // activation rows
   // Quantized activations, per row `ldq` bytes: each 32-block is `digits` planes of 32 int8
   // (1: q; 2: the high and low base-128 digits a, b of a 15-bit q = 128 a + b).  Per block:
-  // xd scale (x ~ xd * q), xs = xd * sum(q) (Q4_1 / Q5_1's offsets; K types: sum(q), their
-  // super-block's xd applied once, see QuantRow), xsum = sum(q) (the zero offsets, the K types'
-  // mins).  The AVX-512 kernels take them in tiles of `xtile` rows (ActTiles below; 1: row after row).
+  // xd scale (x ~ xd * q), xs = xd * sum(q) (Q4_1 / Q5_1's offsets), xsum = sum(q) (the zero
+  // offsets, the K types' mins).  The AVX-512 kernels take them in tiles of `xtile` rows (ActTiles
+  // below; 1: row after row).
   int digits;
   int64_t ldq;
   int xtile = 1;
@@ -142,8 +142,8 @@ inline int high_digit(int q) { return static_cast<int>(std::nearbyint(static_cas
 // Where one row's blocks go: block b's digits at q + b * q_stride; its scale d and digit sums s
 // and sum at [b * d_stride] (ActTiles below).  `span` blocks in a run share one scale, that of
 // their joint amax: 1, or kSuperBlocks for K-quant weights (llama.cpp's Q8_K), whose kernels then
-// apply it once per super-block instead of once per block (act_span).  s is the digit sum times
-// the scale a kernel applies per block: d * sum with span 1, the plain sum with a shared scale.
+// apply it once per super-block instead of once per block (act_span).  s is d * sum (what the
+// Q4_1 / Q5_1 offsets multiply).
 struct QuantRow {
   const void* x;
   bool bf16;
@@ -157,7 +157,7 @@ struct QuantRow {
   int d_stride;
   int span = 1;
   // s for a block of scale d and digit sum `sum`.
-  float s_of(float d, int32_t sum) const { return (span == 1 ? d : 1.f) * static_cast<float>(sum); }
+  float s_of(float d, int32_t sum) const { return d * static_cast<float>(sum); }
 };
 
 // Blocks per activation scale for weights of `qtype`.

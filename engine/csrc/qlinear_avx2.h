@@ -160,15 +160,15 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), L.kquant ? dv[0] : _mm256_mul_ps(dv[0], _mm256_set1_ps(p.xd[tb])), a);
         if (L.has_m && !L.kquant) a = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), a);
       }
-      if (L.kquant && L.has_m && br.sub == kSuperBlocks - 1) {  // - dmin * sum_s min_s * xsum_s (super_block_mins_avx512)
-        __m256i mins = _mm256_setzero_si256();
-        for (int s = 0; s < kSuperBlocks; ++s) {
-          const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(br.fields + 192 + s * 16 + h * 8)));
-          mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(m, _mm256_set1_epi32(p.xsum[tb - (kSuperBlocks - 1 - s)])));
-        }
-        sb[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), half8(br.fields + 32 + h * 16), sb[t]);
-      }
       if (L.kquant && br.sub == kSuperBlocks - 1) {
+        if (L.has_m) {  // - dmin * sum_s min_s * xsum_s, as super_block_min_sum_avx512
+          __m256i mins = _mm256_setzero_si256();
+          for (int s = 0; s < kSuperBlocks; ++s) {
+            const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(br.fields + 192 + s * 16 + h * 8)));
+            mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(m, _mm256_set1_epi32(p.xsum[tb - (kSuperBlocks - 1 - s)])));
+          }
+          sb[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), half8(br.fields + 32 + h * 16), sb[t]);
+        }
         acc[t] = _mm256_fmadd_ps(sb[t], _mm256_set1_ps(p.xd[tb]), acc[t]);
         sb[t] = _mm256_setzero_ps();
       }

@@ -81,7 +81,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void quantize_row_avx512(const QuantRo
       sum.pair(i, t[0], t[1]);
     }
     const __m512 sums = sum.finish();
-    const __m512 s = r.span == 1 ? _mm512_mul_ps(d, sums) : sums;
+    const __m512 s = _mm512_mul_ps(d, sums);
     if (r.d_stride == 1) {
       _mm512_storeu_ps(r.d + b, d);
       _mm512_storeu_ps(r.s + b, s);

@@ -129,12 +129,12 @@ void group_scalar(const Problem& p, int64_t g) {
           acc[r] = std::fma(static_cast<float>(dot[0] + dot[1] - (L.has_m ? 0 : L.zero * p.xsum[tb])), rs.d * xd, acc[r]);
           if (L.has_m && !L.kquant) acc[r] = std::fma(rs.m, xs, acc[r]);
         }
-        if (L.kquant && L.has_m && br.sub == kSuperBlocks - 1) {  // as super_block_min_sum_avx512
-          int32_t mins = 0;
-          for (int s = 0; s < kSuperBlocks; ++s) mins += br.fields[64 + 128 + s * 16 + r] * p.xsum[tb - (kSuperBlocks - 1 - s)];
-          sb[r] = std::fma(-group_block_half(br.fields, 32, r), static_cast<float>(mins), sb[r]);
-        }
         if (L.kquant && br.sub == kSuperBlocks - 1) {
+          if (L.has_m) {  // - dmin * sum_s min_s * xsum_s, as super_block_min_sum_avx512
+            int32_t mins = 0;
+            for (int s = 0; s < kSuperBlocks; ++s) mins += br.fields[64 + 128 + s * 16 + r] * p.xsum[tb - (kSuperBlocks - 1 - s)];
+            sb[r] = std::fma(-group_block_half(br.fields, 32, r), static_cast<float>(mins), sb[r]);
+          }
           out[r] = std::fma(sb[r], p.xd[tb], out[r]);
           sb[r] = 0.f;
         }
