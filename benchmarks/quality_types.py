@@ -2,7 +2,7 @@
 
 The bundled SmolLM2-135M weights (its Q4_1 file) are requantized with llama.cpp's
 ``llama-quantize --allow-requantize`` into Q4_K_M, Q5_K_M, Q6_K, Q8_0 and Q4_0 files (and, asked for,
-IQ4_XS and Q3_K_M), made once into
+IQ4_XS, Q3_K_M and Q2_K), made once into
 a cache directory outside the repository.  Each file is served as the server serves it (bf16,
 ``--weight-quant auto``) with each KV-cache type, and every position of a few thousand tokens of
 English text is compared with the float32 dense reference (the same Q4_1 weights dequantized, run
@@ -63,6 +63,7 @@ PUBLISHED: dict[str, dict[str, tuple[float, Optional[float]]]] = {
     "q4_0": {"L3 8B": (0.071940, None)},
     "iq4_xs": {"L3 8B, imatrix": (0.036334, None)},  # the scoreboard lists IQ4_XS with an imatrix only
     "q3_k_m": {"L3 8B": (0.101913, None)},
+    "q2_k": {"L2 7B": (0.108903, 85.584), "L3 8B": (0.445132, 71.138)},
 }
 
 

@@ -62,9 +62,10 @@ struct Problem {
   const float* xd;
   const float* xs;
   const int32_t* xsum;
-  // Split types only (Layout::split, Q6_K and Q3_K, K types): per row and block, the zero offset times
-  // the digit sums of elements 0-15 and of 16-31, laid out as xd but two apiece: taken off the
-  // halves' integer sums, as Q8_0's 128 * xsum is, so that q - zero costs no float work.
+  // Split types only (Layout::split, Q6_K, Q3_K and Q2_K, K types): per row and block, the zero
+  // offset times the digit sums of elements 0-15 and of 16-31, laid out as xd but two apiece: taken
+  // off the halves' integer sums, as Q8_0's 128 * xsum is, so that q - zero costs no float work.
+  // Q2_K has no zero offset: the sums as they are, which its per-half mins meet at the super-block's end.
   const int32_t* xsh = nullptr;
   // output [m, n] with row stride ldo; bias [n] or null
   void* out;
@@ -205,6 +206,7 @@ inline void dispatch_qtype(int qtype, const F& f) {
     case kQ4_1: f(std::integral_constant<int, kQ4_1>{}); break;
     case kQ5_0: f(std::integral_constant<int, kQ5_0>{}); break;
     case kQ5_1: f(std::integral_constant<int, kQ5_1>{}); break;
+    case kQ2_K: f(std::integral_constant<int, kQ2_K>{}); break;
     case kQ3_K: f(std::integral_constant<int, kQ3_K>{}); break;
     case kQ4_K: f(std::integral_constant<int, kQ4_K>{}); break;
     case kQ5_K: f(std::integral_constant<int, kQ5_K>{}); break;
@@ -460,13 +462,13 @@ torch::Tensor run_groups(const torch::Tensor& x, int64_t n, int64_t k, const c10
       quantize_row_avx2(qr);
     else
       quantize_row_scalar(qr);
-    if (half_sums)  // zero times the digit sums of each block's two halves (split types' offsets)
-      for (int b = 0, zero = layout(p.qtype).zero; b < nb; ++b) {
+    if (half_sums)  // the digit sums of each block's two halves (split types' offsets, Q2_K's mins)
+      for (int b = 0, f = layout(p.qtype).zero ? layout(p.qtype).zero : 1; b < nb; ++b) {
         const int8_t* qb = qr.q + b * qr.q_stride;
         int32_t first = 0;
         for (int i = 0; i < 16; ++i) first += digits == 2 ? 128 * qb[i] + qb[kBlock + i] : qb[i];
-        scratch.sh[2 * (at + b * h)] = zero * first;
-        scratch.sh[2 * (at + b * h) + 1] = zero * (qr.sum[b * h] - first);
+        scratch.sh[2 * (at + b * h)] = f * first;
+        scratch.sh[2 * (at + b * h) + 1] = f * (qr.sum[b * h] - first);
       }
     if (row_corrections) {
       float c = 0.f;

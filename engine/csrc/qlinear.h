@@ -16,6 +16,7 @@
 //                 element 16 + 4c + j (c = 0..3, the nibble chunk)
 //   Q6 (2 chunks): chunk 0 byte j bits 2c..2c+1 = bits 4-5 of element 4c + j; chunk 1 the same for
 //                 element 16 + 4c + j
+//   Q2_K's 2-bit quants have no nibble chunks: the Q6 plane holds them whole (bits 0-1 of each element).
 // Per-row fields and the value of element i with the unsigned quant q:
 //   Q4_0: 4 nibble chunks, 16 fp16 d                      d * (q - 8)       288 bytes (file 18/32)
 //   Q4_1: 4 nibble chunks, 16 fp16 d, 16 fp16 m           d * q + m         320 bytes (file 20/32)
@@ -33,6 +34,10 @@
 //                                       header 288 + 8 x 384 = 3360 bytes (file 210 x 16 = 3360)
 //   Q3_K: Q6_K's header (its int8 scales the file's 6-bit ones - 32), 3-bit quants in nibbles;
 //         value (d * sc) * (q - 4)      header 288 + 8 x 256 = 2336 bytes (file 110 x 16 = 1760)
+//   Q2_K: 16 fp16 d, 16 fp16 dmin, then per 16-weight sub-block s = 0..15 the 16 rows' byte of the
+//         file: 4-bit scale sc (low nibble) and min m (high); quants in the 2-bit plane;
+//         value (d * sc) * q - dmin * m, sc and m of element i of group-block b those of sub-block 2b + i / 16
+//                                       header 320 + 8 x 128 = 1344 bytes (file 84 x 16 = 1344)
 // The non-linear 4-bit types store nibbles q that index kIq4Values (lut): the kernels look each
 // nibble up as kIq4Values[q] + 128, an unsigned byte, and from there compute as for Q8_0 (zero 128).
 //   IQ4_NL: 4 nibble chunks, 16 fp16 d                    d * kIq4Values[q] 288 bytes (file 18/32)
@@ -65,13 +70,13 @@ constexpr int kRowsBlockBytes = kGroupRows * kBlock;  // a row-scaled int8 group
 
 // GGML type ids, the qtype argument of the ops.
 enum QType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kIQ4_NL = 20, kIQ4_XS = 23
 };
 
 constexpr bool qtype_known(int qt) {
   return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 || qt == kQ4_K || qt == kQ5_K ||
-         qt == kQ6_K || qt == kQ3_K || qt == kIQ4_NL || qt == kIQ4_XS;
+         qt == kQ6_K || qt == kQ2_K || qt == kQ3_K || qt == kIQ4_NL || qt == kIQ4_XS;
 }
 
 // IQ4_NL / IQ4_XS: the values their nibbles index (ggml's kvalues_iq4nl), and the same plus 128
@@ -85,13 +90,13 @@ alignas(16) constexpr uint8_t kIq4Bytes[16] = {iq4_byte(0),  iq4_byte(1),  iq4_b
 
 // The layout of a qtype's packed blocks (see above), for the kernels' templates and the scalar code.
 struct Layout {
-  int quant_chunks;  // 64-byte chunks of quant bytes (8: Q8_0 bytes; 4: nibbles)
-  int plane_chunks;  // chunks of high bits after the nibbles (0, 1: Q5, 2: Q6)
+  int quant_chunks;  // 64-byte chunks of quant bytes (8: Q8_0 bytes; 4: nibbles; 0: Q2_K, all in the plane)
+  int plane_chunks;  // chunks of high bits after the nibbles (0, 1: Q5, 2: Q6 and Q2_K's whole quants)
   int zero;          // the integer subtracted from the unsigned quant (4, 8, 16, 32, 128; 0: an offset field m instead),
                      // taken off in integers, as zero * sum(x_q) (per half for the split types: Problem::xsh)
-  bool has_m;        // an additive per-row offset: Q4_1/Q5_1 fp16 m, or K types' -dmin * min
+  bool has_m;        // an additive per-row offset: Q4_1/Q5_1 fp16 m, or K types' -dmin * min (Q2_K: per half)
   bool kquant;       // 256-weight super-blocks with a header of per-row fields
-  bool split;        // two scales per 32-block (Q6_K, Q3_K: elements 0-15 and 16-31): their integer sums stay apart
+  bool split;        // two scales per 32-block (Q6_K, Q3_K, Q2_K: elements 0-15 and 16-31): their integer sums stay apart
   int header;        // K types: bytes of the super-block header
   bool lut = false;  // nibbles index kIq4Values (IQ4_NL, IQ4_XS), looked up as iq4_byte
 };
@@ -106,6 +111,7 @@ constexpr Layout layout(int qt) {
     case kQ5_K: return {4, 1, 0, true, true, false, 64 + 256};
     case kQ6_K: return {4, 2, 32, false, true, true, 32 + 256};
     case kQ3_K: return {4, 0, 4, false, true, true, 32 + 256};
+    case kQ2_K: return {0, 2, 0, true, true, true, 64 + 256};
     case kIQ4_NL: return {4, 0, 128, false, false, false, 0, true};
     case kIQ4_XS: return {4, 0, 128, false, true, false, 32 + 128, true};
     default: return {8, 0, 128, false, false, false, 0};  // Q8_0
@@ -116,6 +122,14 @@ constexpr int kSuperBlocks = 8;  // group-blocks per K-type super-block
 
 // Bytes of one group-block's quants (nibble or byte chunks, then the high-bit plane).
 constexpr int group_block_quant_bytes(int qt) { return (layout(qt).quant_chunks + layout(qt).plane_chunks) * 64; }
+
+// Where a group-block's plane starts: after its nibble chunks.
+constexpr int plane_at(int qt) { return layout(qt).quant_chunks * 64; }
+
+// The kernels' steps over a group-block: step c takes 4 elements of each row, Q8_0's bytes
+// [4c, 4c + 4), the other types' elements [4c, 4c + 4) and [16 + 4c, 16 + 4c + 4) (nibble chunk c
+// and bits 2c.. of the plane, or Q2_K's bits 2c..2c+1 of it alone).
+constexpr int block_steps(int qt) { return layout(qt).quant_chunks == 8 ? 8 : 4; }
 
 // Where a (non-K) group-block's fp16 fields start: its 16 scales d right after the quants, then
 // (Q4_1, Q5_1) its 16 offsets m.
@@ -178,6 +192,11 @@ inline RowScale row_scale(const BlockRef& br, int qt, int r, int h) {
       const float sc = br.fields[64 + br.sub * 16 + r], mn = br.fields[64 + 128 + br.sub * 16 + r];
       return {d * sc, -(dmin * mn)};
     }
+    case kQ2_K: {
+      const float d = group_block_half(br.fields, 0, r), dmin = group_block_half(br.fields, 32, r);
+      const int sm = br.fields[64 + (2 * br.sub + h) * 16 + r];
+      return {d * static_cast<float>(sm & 15), -(dmin * static_cast<float>(sm >> 4))};
+    }
     case kQ6_K:
     case kQ3_K: {
       const float d = group_block_half(br.fields, 0, r);
@@ -198,6 +217,14 @@ inline void row_quants(const uint8_t* q, int qt, int r, uint8_t out[32]) {
   if (L.quant_chunks == 8) {
     for (int c = 0; c < 8; ++c)
       for (int j = 0; j < 4; ++j) out[4 * c + j] = q[c * 64 + r * 4 + j];
+    return;
+  }
+  if (L.quant_chunks == 0) {  // Q2_K: the plane alone
+    for (int c = 0; c < 4; ++c)
+      for (int j = 0; j < 4; ++j) {
+        out[4 * c + j] = (q[r * 4 + j] >> (2 * c)) & 3;
+        out[16 + 4 * c + j] = (q[64 + r * 4 + j] >> (2 * c)) & 3;
+      }
     return;
   }
   for (int c = 0; c < 4; ++c)

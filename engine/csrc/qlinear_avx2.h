@@ -51,9 +51,10 @@ QL_TARGET inline __m256i dot_words(const __m256i* w, const int32_t* xw, int coun
 #endif
 }
 
-// A nibble chunk's high bits, 8 rows (plane_bits_avx512 in 256 bits).
+// A nibble chunk's high bits (Q2_K: its step c's quants), 8 rows (plane_bits_avx512 in 256 bits).
 template <int QT>
 QL_TARGET inline __m256i plane_bits(const __m256i* plane, int c, int half) {
+  if (QT == kQ2_K) return _mm256_and_si256(_mm256_srli_epi16(plane[half], 2 * c), _mm256_set1_epi8(0x03));
   if (layout(QT).plane_chunks == 1) {
     const __m256i v = half == 0 ? _mm256_slli_epi16(plane[0], 4 - c) : _mm256_srli_epi16(plane[0], c);
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
@@ -91,6 +92,10 @@ QL_TARGET inline void block_scales(const BlockRef& br, int h, int part, __m256& 
   } else if (QT == kQ6_K || QT == kQ3_K) {  // their offset is taken off in integers (Problem::xsh): no mv
     dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 32 + (2 * br.sub + part) * 16 + h * 8, true));
     mv = _mm256_setzero_ps();
+  } else if (QT == kQ2_K) {  // the scale in each byte's low nibble; the mins at the super-block's end
+    const __m128i sm = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(br.fields + 64 + (2 * br.sub + part) * 16 + h * 8));
+    dv = _mm256_mul_ps(half8(br.fields + h * 16), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_cvtepu8_epi32(sm), _mm256_set1_epi32(15))));
+    mv = _mm256_setzero_ps();
   } else if (QT == kIQ4_XS) {  // its offset 128 is taken off in integers: no mv
     dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 32 + br.sub * 16 + h * 8, true));
     mv = _mm256_setzero_ps();
@@ -124,8 +129,13 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
     } else {
       __m256i plane[2];
       for (int c = 0; c < L.plane_chunks; ++c)
-        plane[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 256 + c * 64 + h * 32));
+        plane[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + plane_at(QT) + c * 64 + h * 32));
       for (int c = 0; c < 4; ++c) {
+        if (L.quant_chunks == 0) {  // Q2_K: the plane alone
+          w[c] = plane_bits<QT>(plane, c, 0);
+          w[4 + c] = plane_bits<QT>(plane, c, 1);
+          continue;
+        }
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + c * 64 + h * 32));
         w[c] = _mm256_and_si256(v, low4);
         w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -151,7 +161,8 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
       if (L.split) {
         for (int part = 0; part < 2; ++part) {
           const __m256i dot = digits_dot<QT, DIGITS>(w, xb, 4 * part, 4);
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(p.xsh[2 * tb + part]))), dv[part], a);
+          const __m256i s = L.zero ? _mm256_sub_epi32(dot, _mm256_set1_epi32(p.xsh[2 * tb + part])) : dot;
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv[part], a);
         }
       } else {
         __m256i s = digits_dot<QT, DIGITS>(w, xb, 0, 8);
@@ -161,11 +172,20 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
         if (L.has_m && !L.kquant) a = _mm256_fmadd_ps(mv[0], _mm256_set1_ps(p.xs[tb]), a);
       }
       if (L.kquant && br.sub == kSuperBlocks - 1) {
-        if (L.has_m) {  // - dmin * sum_s min_s * xsum_s, as super_block_min_sum_avx512
+        if (L.has_m) {  // - dmin * sum_s min_s * xsum_s, as super_block_min_sum_avx512 (Q2_K: per half)
           __m256i mins = _mm256_setzero_si256();
           for (int s = 0; s < kSuperBlocks; ++s) {
+            const int64_t sb_tb = tb - (kSuperBlocks - 1 - s);
+            if (L.split) {
+              for (int part = 0; part < 2; ++part) {
+                const __m128i sm = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(br.fields + 64 + (2 * s + part) * 16 + h * 8));
+                const __m256i m = _mm256_srli_epi32(_mm256_cvtepu8_epi32(sm), 4);
+                mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(m, _mm256_set1_epi32(p.xsh[2 * sb_tb + part])));
+              }
+              continue;
+            }
             const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(br.fields + 192 + s * 16 + h * 8)));
-            mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(m, _mm256_set1_epi32(p.xsum[tb - (kSuperBlocks - 1 - s)])));
+            mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(m, _mm256_set1_epi32(p.xsum[sb_tb])));
           }
           sb[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), half8(br.fields + 32 + h * 16), sb[t]);
         }

@@ -191,8 +191,10 @@ constexpr int kPrefetchBytes = QL_PREFETCH;
 // accumulation is the same two FMAs per block whatever NG and MT, so every tiling gives the same bits.
 // A nibble chunk's high bits (Q5: bit 4; Q6: bits 4-5) from the group-block's plane vectors
 // (layout in qlinear.h): chunk c's low-nibble elements (half 0) or high-nibble ones (half 1).
+// Q2_K: step c's whole quants, bits 2c..2c+1 of the half's plane.
 template <int QT>
 CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512i plane_bits_avx512(const __m512i* plane, int c, int half) {
+  if (QT == kQ2_K) return _mm512_and_si512(_mm512_srli_epi16(plane[half], 2 * c), _mm512_set1_epi8(0x03));
   if (layout(QT).plane_chunks == 1) {  // bit c (half 0) or 4 + c (half 1) of each byte -> bit 4
     const __m512i v = half == 0 ? _mm512_slli_epi16(plane[0], 4 - c) : _mm512_srli_epi16(plane[0], c);
     return _mm512_and_si512(v, _mm512_set1_epi8(0x10));
@@ -223,6 +225,10 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const 
   } else if (QT == kQ6_K || QT == kQ3_K) {  // their offset is taken off in integers (Problem::xsh): no mv
     dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 32 + (2 * br.sub + h) * 16, true));
     mv = _mm512_setzero_ps();
+  } else if (QT == kQ2_K) {  // the scale in each byte's low nibble; the mins at the super-block's end
+    const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(br.fields + 64 + (2 * br.sub + h) * 16));
+    dv = _mm512_mul_ps(half16_avx512(br.fields), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sm, _mm_set1_epi8(15)))));
+    mv = _mm512_setzero_ps();
   } else if (QT == kIQ4_XS) {  // its offset 128 is taken off in integers: no mv
     dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 32 + br.sub * 16, true));
     mv = _mm512_setzero_ps();
@@ -233,21 +239,29 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const 
 }
 
 // Q4_K / Q5_K: for the 16 rows, the sum over the super-block's sub-blocks s of min_s * xsum_s
-// (the activation row's block sums at xsum[s * stride]), exact in int32, so that the offsets
-// cost one FMA by -dmin a super-block instead of one by -dmin * min a block (on Zen 4 FMAs share
-// the multiply pipes with vpdpbusd).  8-bit activations (|xsum| < 2^12): the mins as int16
-// pairs, two sub-blocks a vpdpwssd; 15-bit ones: one vpmulld a sub-block.
+// (the activation row's block sums), exact in int32, so that the offsets cost one FMA by -dmin a
+// super-block instead of one by -dmin * min a block (on Zen 4 FMAs share the multiply pipes with
+// vpdpbusd); Q2_K the same over its 16 halves (their sums Problem::xsh, the mins the high nibbles
+// of its scale-and-min bytes).  8-bit activations (|sum| < 2^12): the mins as int16 pairs, two
+// entries a vpdpwssd; 15-bit ones: one vpmulld an entry.
+template <int QT>
+constexpr int kMinEntries = QT == kQ2_K ? 2 * kSuperBlocks : kSuperBlocks;
+template <int QT>
 struct SuperBlockMins {
-  __m512i v[kSuperBlocks];
+  __m512i v[kMinEntries<QT>];
 };
-template <int DIGITS>
-CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline SuperBlockMins super_block_mins_avx512(const uint8_t* header) {
-  SuperBlockMins m;
-  const uint8_t* mins = header + 64 + 128;  // per sub-block the 16 rows' bytes
-  for (int s = 0; s < kSuperBlocks; s += (DIGITS == 1 ? 2 : 1)) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + s * 16));
+template <int QT, int DIGITS>
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline SuperBlockMins<QT> super_block_mins_avx512(const uint8_t* header) {
+  SuperBlockMins<QT> m;
+  auto entry = [header](int s) {  // the 16 rows' min bytes of entry s
+    if (QT == kQ2_K)
+      return _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 64 + s * 16)), 4), _mm_set1_epi8(15));
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 64 + 128 + s * 16));
+  };
+  for (int s = 0; s < kMinEntries<QT>; s += (DIGITS == 1 ? 2 : 1)) {
+    const __m128i a = entry(s);
     if (DIGITS == 1) {  // lane r: (min_s, min_s+1) of row r as int16
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + (s + 1) * 16));
+      const __m128i b = entry(s + 1);
       m.v[s / 2] = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)), _mm_unpackhi_epi8(a, b), 1));
     } else {
       m.v[s] = _mm512_cvtepu8_epi32(a);
@@ -255,15 +269,19 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline SuperBlockMins super_block_mins
   }
   return m;
 }
-template <int DIGITS>
-CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512i super_block_min_sum_avx512(const SuperBlockMins& m, const int32_t* xsum, int64_t stride) {
+// The sum for the activation row whose super-block's first block is at tb0 (its blocks `stride` apart).
+template <int QT, int DIGITS>
+CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline __m512i super_block_min_sum_avx512(const SuperBlockMins<QT>& m, const Problem& p, int64_t tb0, int64_t stride) {
+  auto act = [&](int s) {  // entry s's activation sum: Q2_K block s / 2's half s % 2
+    return QT == kQ2_K ? p.xsh[2 * (tb0 + s / 2 * stride) + s % 2] : p.xsum[tb0 + s * stride];
+  };
   __m512i sum = _mm512_setzero_si512();
-  for (int s = 0; s < kSuperBlocks; s += (DIGITS == 1 ? 2 : 1)) {
+  for (int s = 0; s < kMinEntries<QT>; s += (DIGITS == 1 ? 2 : 1)) {
     if (DIGITS == 1) {
-      const uint32_t pair = static_cast<uint16_t>(xsum[s * stride]) | static_cast<uint32_t>(xsum[(s + 1) * stride]) << 16;
+      const uint32_t pair = static_cast<uint16_t>(act(s)) | static_cast<uint32_t>(act(s + 1)) << 16;
       sum = _mm512_dpwssd_epi32(sum, m.v[s / 2], _mm512_set1_epi32(static_cast<int32_t>(pair)));
     } else {
-      sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(m.v[s], _mm512_set1_epi32(xsum[s * stride])));
+      sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(m.v[s], _mm512_set1_epi32(act(s))));
     }
   }
   return sum;
@@ -282,7 +300,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
   // Independent integer sums per (group, row, digit): with one row two chains (alternate chunks);
   // split types keep their two halves apart instead (which are two chains as well).
   constexpr int kSums = (MT == 1 || L.split) ? 2 : 1;
-  constexpr int kChunks = L.quant_chunks;
+  constexpr int kChunks = block_steps(QT);
   const int nb = p.nb;
   const int64_t gstride = static_cast<int64_t>(nb) * p.gbytes;
   const uint8_t* wg = p.w + g * gstride;
@@ -318,13 +336,17 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
     __m512i plane[NG][2];
     if (L.plane_chunks)
       for (int i = 0; i < NG; ++i)
-        for (int c = 0; c < L.plane_chunks; ++c) plane[i][c] = _mm512_loadu_si512(br.q + i * gstride + 256 + c * 64);
+        for (int c = 0; c < L.plane_chunks; ++c) plane[i][c] = _mm512_loadu_si512(br.q + i * gstride + plane_at(QT) + c * 64);
     for (int c = 0; c < kChunks; ++c) {
       // Q8_0: chunk c holds bytes [4c, 4c + 4) of each row's block.  The rest: its low nibbles are
       // elements [4c, 4c + 4) of the block, its high nibbles [16 + 4c, 16 + 4c + 4), each with its
       // high bits from the plane.
       __m512i w[NG][2];
       for (int i = 0; i < NG; ++i) {
+        if (L.quant_chunks == 0) {  // Q2_K: the plane alone
+          for (int half = 0; half < 2; ++half) w[i][half] = plane_bits_avx512<QT>(plane[i], c, half);
+          continue;
+        }
         const __m512i v = _mm512_loadu_si512(br.q + i * gstride + c * 64);
         if (QT == kQ8_0) {
           w[i][0] = v;
@@ -369,8 +391,10 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
           dsum[h] = DIGITS == 2 ? _mm512_add_epi32(_mm512_slli_epi32(s[i][t][0][h], 7), s[i][t][DIGITS - 1][h]) : s[i][t][0][h];
         __m512& a = L.kquant ? sb[i][t] : acc[i][t];
         if (L.split) {
-          for (int h = 0; h < 2; ++h)
-            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dsum[h], _mm512_set1_epi32(p.xsh[2 * tb + h]))), dv[h], a);
+          for (int h = 0; h < 2; ++h) {
+            const __m512i s = L.zero ? _mm512_sub_epi32(dsum[h], _mm512_set1_epi32(p.xsh[2 * tb + h])) : dsum[h];
+            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv[h], a);
+          }
         } else {
           __m512i sum = dsum[0];
           if (kSums == 2) sum = _mm512_add_epi32(sum, dsum[kSums - 1]);
@@ -381,13 +405,13 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
         }
       }
       if (L.kquant && br.sub == kSuperBlocks - 1) {  // the super-block's end: (sb - dmin * mins) * xd into out
-        SuperBlockMins mins;
-        if (L.has_m) mins = super_block_mins_avx512<DIGITS>(bi.fields);
+        SuperBlockMins<QT> mins;
+        if (L.has_m) mins = super_block_mins_avx512<QT, DIGITS>(bi.fields);
 #pragma GCC unroll 8
         for (int t = 0; t < MT; ++t) {
           const int64_t tb = dt + static_cast<int64_t>(b) * h + t;
           if (L.has_m)
-            sb[i][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(super_block_min_sum_avx512<DIGITS>(mins, p.xsum + tb - (kSuperBlocks - 1) * h, h)),
+            sb[i][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(super_block_min_sum_avx512<QT, DIGITS>(mins, p, tb - (kSuperBlocks - 1) * h, h)),
                                         half16_avx512(bi.fields + 32), sb[i][t]);
           _mm512_store_ps(out[i][t], _mm512_fmadd_ps(sb[i][t], _mm512_set1_ps(p.xd[tb]), _mm512_load_ps(out[i][t])));
           sb[i][t] = _mm512_setzero_ps();

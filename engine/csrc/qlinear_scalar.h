@@ -95,7 +95,7 @@ inline void dot_scalar(const uint8_t* q, const int8_t* xb, int32_t dot[2]) {
 // unsigned quants, then the float steps the SIMD kernels take (remove zero * sum(x_q) in
 // integers, per half for the split types, then the dot times d * xd; Q4_1 / Q5_1: the dot times
 // d * xd plus the offset m times xd * sum(x_q); Q4_K / Q5_K: the mins at the super-block's end,
-// -dmin times the integer sum of min * sum(x_q) over its blocks).  K types share xd over a
+// -dmin times the integer sum of min * sum(x_q) over its blocks; Q2_K the same over its halves).  K types share xd over a
 // super-block (act_span): there the block's terms go without it into a super-block sum, which
 // meets xd once, at the super-block's end.  Rows are row after row here (Problem::xtile 1).
 void group_scalar(const Problem& p, int64_t g) {
@@ -123,16 +123,22 @@ void group_scalar(const Problem& p, int64_t g) {
         }
         if (L.split) {
           for (int h = 0; h < 2; ++h)
-            acc[r] = std::fma(static_cast<float>(dot[h] - p.xsh[2 * tb + h]), row_scale(br, p.qtype, r, h).d * xd, acc[r]);
+            acc[r] = std::fma(static_cast<float>(dot[h] - (L.zero ? p.xsh[2 * tb + h] : 0)), row_scale(br, p.qtype, r, h).d * xd, acc[r]);
         } else {
           const RowScale rs = row_scale(br, p.qtype, r, 0);
           acc[r] = std::fma(static_cast<float>(dot[0] + dot[1] - (L.has_m ? 0 : L.zero * p.xsum[tb])), rs.d * xd, acc[r]);
           if (L.has_m && !L.kquant) acc[r] = std::fma(rs.m, xs, acc[r]);
         }
         if (L.kquant && br.sub == kSuperBlocks - 1) {
-          if (L.has_m) {  // - dmin * sum_s min_s * xsum_s, as super_block_min_sum_avx512
+          if (L.has_m) {  // - dmin * sum_s min_s * xsum_s, as super_block_min_sum_avx512 (Q2_K: per half)
             int32_t mins = 0;
-            for (int s = 0; s < kSuperBlocks; ++s) mins += br.fields[64 + 128 + s * 16 + r] * p.xsum[tb - (kSuperBlocks - 1 - s)];
+            for (int s = 0; s < kSuperBlocks; ++s) {
+              const int64_t sb_tb = tb - (kSuperBlocks - 1 - s);
+              if (L.split)
+                for (int hh = 0; hh < 2; ++hh) mins += (br.fields[64 + (2 * s + hh) * 16 + r] >> 4) * p.xsh[2 * sb_tb + hh];
+              else
+                mins += br.fields[64 + 128 + s * 16 + r] * p.xsum[sb_tb];
+            }
             sb[r] = std::fma(-group_block_half(br.fields, 32, r), static_cast<float>(mins), sb[r]);
           }
           out[r] = std::fma(sb[r], p.xd[tb], out[r]);

@@ -93,8 +93,8 @@ def release_dense_weights(model: nn.Module, unfilled: Collection[str] = ()) -> i
 
 def dense_summary(reasons: Sequence[tuple[str, str]]) -> str:
     """One log line's worth of (module name, reason) pairs: names that differ only in their layer
-    index and share the reason are counted together, e.g. "mlp.down_proj in 16 layers (Q2_K
-    8192x2048: Q2_K has no packed kernel)"."""
+    index and share the reason are counted together, e.g. "mlp.down_proj in 16 layers (F16
+    8192x2048: F16 has no packed kernel)"."""
     groups: dict[tuple[str, str], list[str]] = {}
     for name, why in reasons:
         parts = name.split(".")

@@ -1,5 +1,5 @@
 """GGUF quant blocks <-> the packed kernel layout of ``engine/csrc/qlinear.h``, for every block type
-with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS).
+with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS).
 
 The layout: groups of 16 output rows, each a sequential run of "group-blocks" whose quants are
 interleaved in 4-byte words so that one vector instruction advances 16 rows at once; the last
@@ -7,11 +7,12 @@ group is padded with zero rows.
 
 Both directions go through one neutral form, "units": each weight's unsigned integer quant
 (uint8 [N, K]; Q8_0's q + 128; IQ4_NL/IQ4_XS the nibble that indexes their value table) and the per-block fields as the file holds them (fp16 scales as
-raw bytes, the K types' 6-bit scales and mins one byte each).  :func:`decode` / :func:`encode`
+raw bytes, the K types' 6-bit scales and mins one byte each; Q2_K's scale-and-min bytes as the file has them).  :func:`decode` / :func:`encode`
 convert GGUF bytes to and from units (a bijection: ``encode(decode(raw)) == raw``), and
 :func:`pack_units` / :func:`unpack_units` units to and from the packed layout.  Nothing is
 rounded: the packed weights dequantize to exactly the file's values.  (Q3_K's 3-bit quants take a
-nibble each, so its packed blocks are 1.33x the file's bytes; every other type's are within 3%.)
+nibble each, so its packed blocks are 1.33x the file's bytes; every other type's are within 3%,
+Q2_K's 2-bit quants in a plane of their own, as the file's size.)
 """
 
 from __future__ import annotations
@@ -26,27 +27,28 @@ SUPER = 256  # weights per K-type super-block
 
 # GGML type ids, as the native op takes them.
 QTYPE_IDS = {
-    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
     "IQ4_XS": 23,
 }
 # (weights, bytes) of one GGUF block.
 GGUF_BLOCKS = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "IQ4_NL": (32, 18),
-    "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
 }
-# Types of 256-weight super-blocks with per-32 (Q6_K: per-16) scales: their packed groups keep a
-# header per super-block, and their activations share one scale per super-block.
-K_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+# Types of 256-weight super-blocks with per-32 (Q2_K, Q3_K, Q6_K: per-16) scales: their packed groups
+# keep a header per super-block, and their activations share one scale per super-block.
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 BLOCK_BYTES = {q: b for q, (w, b) in GGUF_BLOCKS.items() if w == BLOCK}  # GGUF bytes per 32 weights (32-weight types)
 # Byte offsets of each GGUF block's fp16 fields (d, and m / dmin): with any bytes elsewhere a block
 # is valid, which is how tests and benchmarks make random ones.
 FP16_AT = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "IQ4_NL": (0,), "IQ4_XS": (0,), "Q3_K": (108,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "Q3_K": (108,), "Q2_K": (80, 82),
 }
-# Per type: (quant bytes per row and 32-block: nibbles or Q8_0's bytes, high-bit plane bytes).
-_QUANT_BYTES = {"Q8_0": (32, 0), "Q5_0": (16, 4), "Q5_1": (16, 4), "Q5_K": (16, 4), "Q6_K": (16, 8)}
-_HEADER_BYTES = {"Q3_K": 32 + 256, "Q4_K": 64 + 256, "Q5_K": 64 + 256, "Q6_K": 32 + 256, "IQ4_XS": 32 + 128}  # per 16 rows and super-block
+# Per type: (quant bytes per row and 32-block: nibbles or Q8_0's bytes, high-bit plane bytes; Q2_K:
+# its whole 2-bit quants in the plane).
+_QUANT_BYTES = {"Q8_0": (32, 0), "Q5_0": (16, 4), "Q5_1": (16, 4), "Q5_K": (16, 4), "Q6_K": (16, 8), "Q2_K": (0, 8)}
+_HEADER_BYTES = {"Q2_K": 64 + 256, "Q3_K": 32 + 256, "Q4_K": 64 + 256, "Q5_K": 64 + 256, "Q6_K": 32 + 256, "IQ4_XS": 32 + 128}  # per 16 rows and super-block
 
 
 def quant_bytes(qtype: str) -> tuple[int, int]:
@@ -121,7 +123,8 @@ def decode(raw: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, dict[st
 
     Fields, uint8: non-K types "d" (and "m") [N, K/32, 2] fp16 bytes; Q4_K/Q5_K "d", "dmin"
     [N, K/256, 2], "sc", "mn" [N, K/256, 8]; Q6_K and Q3_K "d" [N, K/256, 2], "sc" [N, K/256, 16] (int8
-    bits; Q3_K's the 6-bit scale - 32, as it multiplies);
+    bits; Q3_K's the 6-bit scale - 32, as it multiplies); Q2_K "d", "dmin" [N, K/256, 2], "sm"
+    [N, K/256, 16] (the file's bytes: per 16 weights a 4-bit scale, low nibble, and min, high);
     IQ4_XS "d" [N, K/256, 2], "sc" [N, K/256, 8] (int8 bits of the 6-bit scale - 32, as it multiplies).
     """
     n = raw.shape[0]
@@ -137,6 +140,10 @@ def decode(raw: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, dict[st
         q = _nibbles(b[..., sb + 4 :]) | (_bits_of_u32(b[..., sb : sb + 4]) << 4)
         return q.reshape(n, k), fields
     ns = k // SUPER
+    if qtype == "Q2_K":  # scales (16), qs, d, dmin; element 128h + 32s + l: bits 2s..2s+1 of qs[32h + l]
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+        q = (b[..., 16:80].reshape(n, ns, 2, 1, 32) >> shifts.reshape(1, 1, 1, 4, 1)) & 3
+        return q.reshape(n, k), {"d": b[..., 80:82], "dmin": b[..., 82:84], "sm": b[..., 0:16]}
     if qtype == "Q3_K":  # hmask, qs, scales (12), d; element 128h + 32s + l: bits 2s..2s+1 of
         # qs[32h + l], high bit (set: no -4 offset) bit 4h + s of hmask[l]; 16 six-bit scales: low
         # nibbles of bytes 0-7 then their high nibbles, high 2 bits in bytes 8-11 (scale 4s + j: bits 2s of byte 8 + j)
@@ -188,10 +195,12 @@ def encode(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> torc
         return torch.cat(parts, dim=-1).reshape(n, -1)
     ns = k // SUPER
     qs = q.reshape(n, ns, 256)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
+    lo = (qs & 3).reshape(n, ns, 2, 4, 32).to(torch.int32)
+    qs_bytes = (lo << shifts.reshape(1, 1, 1, 4, 1)).sum(3).reshape(n, ns, 64)  # Q2_K's and Q3_K's low 2 bits
+    if qtype == "Q2_K":
+        return torch.cat([fields["sm"], qs_bytes.to(torch.uint8), fields["d"], fields["dmin"]], dim=-1).reshape(n, -1)
     if qtype == "Q3_K":
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
-        lo = (qs & 3).reshape(n, ns, 2, 4, 32).to(torch.int32)
-        qs_bytes = (lo << shifts.reshape(1, 1, 1, 4, 1)).sum(3).reshape(n, ns, 64)
         hi = ((qs >> 2) & 1).reshape(n, ns, 8, 32).to(torch.int32)
         hm = (hi << torch.arange(8, dtype=torch.int32).reshape(1, 1, 8, 1)).sum(2)
         ls = (fields["sc"].to(torch.int32) + 32) & 63
@@ -251,11 +260,17 @@ def _unrow_fields(f: torch.Tensor, w: int) -> torch.Tensor:
     return f.reshape(groups, blocks, GROUP_ROWS, w).permute(0, 2, 1, 3).reshape(groups * GROUP_ROWS, blocks, w)
 
 
+def _plane_shift(qtype: str) -> int:
+    """The bit of a quant where its plane bits go: the high bits of the 5- and 6-bit types sit above
+    a nibble; Q2_K's plane holds its whole quants."""
+    return 0 if qtype == "Q2_K" else 4
+
+
 def _plane(q: torch.Tensor, qtype: str) -> torch.Tensor:
-    """The high-bit plane bytes of each row's 32-blocks, q [rows, nb, 32] -> [rows, nb, 4 or 8]
-    (qlinear.h: byte j, bit c (Q5) or bits 2c..2c+1 (Q6) for element 4c + j, then 16 + 4c + j)."""
+    """The plane bytes of each row's 32-blocks, q [rows, nb, 32] -> [rows, nb, 4 or 8] (qlinear.h:
+    byte j, bit c (Q5) or bits 2c..2c+1 (Q6, Q2_K) for element 4c + j, then 16 + 4c + j)."""
     q5 = qtype.startswith("Q5")
-    hb = ((q >> 4) & (1 if q5 else 3)).to(torch.int32).reshape(*q.shape[:-1], 2, 4, 4)  # [half, c, j]
+    hb = ((q >> _plane_shift(qtype)) & (1 if q5 else 3)).to(torch.int32).reshape(*q.shape[:-1], 2, 4, 4)  # [half, c, j]
     shift = (torch.arange(4, dtype=torch.int32) * (1 if q5 else 2)).reshape(4, 1)
     if q5:  # one byte per j: half 0 in bits 0-3, half 1 in bits 4-7
         b = (hb[..., 0, :, :] << shift).sum(-2) | ((hb[..., 1, :, :] << shift).sum(-2) << 4)
@@ -265,7 +280,7 @@ def _plane(q: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def _unplane(b: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Inverse of :func:`_plane`: the high bits of each element, shifted to bit 4, [rows, nb, 32]."""
+    """Inverse of :func:`_plane`: the plane bits of each element, back in place, [rows, nb, 32]."""
     q5 = qtype.startswith("Q5")
     c = torch.arange(4, dtype=torch.int32).reshape(4, 1)
     b = b.to(torch.int32)
@@ -274,7 +289,7 @@ def _unplane(b: torch.Tensor, qtype: str) -> torch.Tensor:
     else:
         halves = [(b[..., None, :4] >> (2 * c)) & 3, (b[..., None, 4:] >> (2 * c)) & 3]
     hb = torch.stack(halves, dim=-3).reshape(*b.shape[:-1], 32)
-    return (hb << 4).to(torch.uint8)
+    return (hb << _plane_shift(qtype)).to(torch.uint8)
 
 
 def pack_units(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> torch.Tensor:
@@ -283,7 +298,7 @@ def pack_units(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> 
     groups, nb = rows // GROUP_ROWS, k // BLOCK
     qb = q.reshape(rows, nb, 32)
     quants = qb if qtype == "Q8_0" else _join_nibbles(qb)
-    parts = [interleave_rows(quants.reshape(groups, GROUP_ROWS, nb, -1))]
+    parts = [interleave_rows(quants.reshape(groups, GROUP_ROWS, nb, -1))] if quant_bytes(qtype)[0] else []
     if quant_bytes(qtype)[1]:
         parts.append(interleave_rows(_plane(qb, qtype).reshape(groups, GROUP_ROWS, nb, -1)))
     blocks = torch.cat(parts, dim=-1)  # [groups, nb, quant bytes]
@@ -294,6 +309,9 @@ def pack_units(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> 
     if qtype in ("Q6_K", "Q3_K", "IQ4_XS"):  # d, then one int8 scale per sub-block (Q6_K, Q3_K 16; IQ4_XS 8)
         subs = fields["sc"].shape[-1]
         header = [_row_fields(fields["d"], groups), _row_fields(fields["sc"].reshape(rows, ns * subs, 1), groups).reshape(groups, ns, -1)]
+    elif qtype == "Q2_K":  # d, dmin, then per 16-weight sub-block the 16 rows' scale-and-min bytes
+        header = [_row_fields(fields[name], groups) for name in ("d", "dmin")]
+        header.append(_row_fields(fields["sm"].reshape(rows, ns * 16, 1), groups).reshape(groups, ns, -1))
     else:
         header = [_row_fields(fields[name], groups) for name in ("d", "dmin")]
         header += [_row_fields(fields[name].reshape(rows, ns * 8, 1), groups).reshape(groups, ns, -1) for name in ("sc", "mn")]
@@ -315,6 +333,10 @@ def unpack_units(data: torch.Tensor, qtype: str, rows: int, k: int) -> tuple[tor
             subs = (h - 32) // GROUP_ROWS
             fields["d"] = _unrow_fields(s[..., 0:32], 2)
             fields["sc"] = _unrow_fields(s[..., 32:h].reshape(groups, ns * subs, 16), 1).reshape(rows, ns, subs)
+        elif qtype == "Q2_K":
+            fields["d"] = _unrow_fields(s[..., 0:32], 2)
+            fields["dmin"] = _unrow_fields(s[..., 32:64], 2)
+            fields["sm"] = _unrow_fields(s[..., 64:h].reshape(groups, ns * 16, 16), 1).reshape(rows, ns, 16)
         else:
             fields["d"] = _unrow_fields(s[..., 0:32], 2)
             fields["dmin"] = _unrow_fields(s[..., 32:64], 2)
@@ -327,7 +349,7 @@ def unpack_units(data: torch.Tensor, qtype: str, rows: int, k: int) -> tuple[tor
         if qtype in ("Q4_1", "Q5_1"):
             fields["m"] = _unrow_fields(g[..., qbytes + 32 : qbytes + 64], 2)
     quants = deinterleave_rows(blocks[..., : qn * GROUP_ROWS].contiguous()).reshape(rows, nb, qn)
-    q = quants if qtype == "Q8_0" else _nibbles(quants)
+    q = quants if qtype == "Q8_0" else _nibbles(quants) if qn else torch.zeros(rows, nb, 32, dtype=torch.uint8)
     if qp:
         q = q | _unplane(deinterleave_rows(blocks[..., qn * GROUP_ROWS :].contiguous()).reshape(rows, nb, qp), qtype)
     return q.reshape(rows, k), fields

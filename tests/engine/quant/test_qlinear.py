@@ -176,11 +176,11 @@ def test_pack_gguf_refuses_what_has_no_kernel():
     k = 64
     q41 = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 16, k), (16, k))
     q80 = FakeGGUFTensor("Q8_0", random_blocks("Q8_0", 16, k), (16, k))
-    q2k = FakeGGUFTensor("Q2_K", torch.zeros(16, 84, dtype=torch.uint8), (16, 256))
+    f16 = FakeGGUFTensor("F16", torch.zeros(16, 512, dtype=torch.uint8), (16, 256))
     assert isinstance(qpacking.pack_gguf([q41, q80]), qweights.PackedParts)  # mixed qtypes: one part each
     odd = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 15, k), (15, k))
     assert qpacking.pack_gguf([odd, q80]) is None  # ... in whole 16-row groups only
-    assert qpacking.pack_gguf([q2k]) is None
+    assert qpacking.pack_gguf([f16]) is None
     assert qpacking.pack_gguf([]) is None
     wide = FakeGGUFTensor("Q4_1", random_blocks("Q4_1", 16, 2 * k), (16, 2 * k))
     assert qpacking.pack_gguf([q41, wide]) is None

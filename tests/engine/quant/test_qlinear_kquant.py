@@ -1,6 +1,6 @@
 """Packed kernels for the K-quant block types (Q4_K, Q5_K, Q6_K) and Q5_0 / Q5_1, the types a
 Q4_K_M / Q5_K_M / Q6_K file holds (llama-quantize falls back to Q5_0 / Q5_1 / Q8_0 for rows whose
-length is not a multiple of 256), Q3_K (a Q3_K_M file's), and the non-linear IQ4_NL / IQ4_XS of
+length is not a multiple of 256), Q2_K and Q3_K (Q2_K and Q3_K_M files'), and the non-linear IQ4_NL / IQ4_XS of
 an IQ4_XS file.  The reference is gguf.quants' own dequantization: the kernels
 must compute with exactly the file's weights, the only rounding being the activations' (as for
 Q4_0 / Q8_0, tests/engine/quant/test_qlinear.py), which for the K types share one scale per
@@ -18,7 +18,7 @@ from tests.tiny_models import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not qweights.native_available(), reason="native extension unavailable")
 
-NEW_QTYPES = ["Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+NEW_QTYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 def act_block(qtype: str) -> int:
@@ -46,13 +46,15 @@ def packed(raw: torch.Tensor, qtype: str, n: int, k: int, isa_name=None, act_bit
 def test_layout_roundtrip_and_dequantize(qtype):
     """unpack(pack(blocks)) gives the file's bytes back; the packed bytes stay the file's size (Q4_K,
     Q5_K: 1/32 more, their 6-bit scales and mins unpacked to a byte; IQ4_XS 1/64; Q3_K a third more,
-    its 3-bit quants in nibbles); dequantize is gguf's."""
+    its 3-bit quants in nibbles; Q2_K exactly); dequantize is gguf's."""
     n, k = 37, 512
     raw = random_blocks(qtype, n, k, seed=1)
     data = qblocks.pack_blocks(raw, qtype, (n, k))
     assert data.numel() == 3 * (k // 32) * qblocks.GROUP_BLOCK_BYTES[qtype]  # 37 rows -> 3 groups of 16
     file_bytes = 48 * raw.shape[1]
     assert file_bytes <= data.numel() <= file_bytes * (1.33 if qtype == "Q3_K" else 1.03)
+    if qtype == "Q2_K":
+        assert data.numel() == file_bytes
     assert torch.equal(qblocks.unpack_blocks(data, qtype, (n, k)), raw)
     assert torch.equal(packed(raw, qtype, n, k).to_gguf_blocks(), raw)
     assert torch.equal(qblocks.dequantize_blocks(raw, qtype, (n, k)), gguf_dequantize(raw, qtype, (n, k)))
@@ -135,8 +137,8 @@ def test_pack_gguf_needs_whole_k_super_blocks_and_says_why_not():
     assert qpacking.pack_gguf([q5]).qtype == "Q5_0"
     odd = FakeGGUFTensor("Q6_K", torch.zeros(16, 3 * 210, dtype=torch.uint8), (16, 640))
     assert qpacking.pack_gguf([odd]) is None and "divisible by 256" in qpacking.packing_refusal([odd])
-    q2 = FakeGGUFTensor("Q2_K", torch.zeros(16, 84, dtype=torch.uint8), (16, 256))
-    assert qpacking.pack_gguf([q2]) is None and qpacking.packing_refusal([q2]) == "Q2_K has no packed kernel"
+    f16 = FakeGGUFTensor("F16", torch.zeros(16, 512, dtype=torch.uint8), (16, 256))
+    assert qpacking.pack_gguf([f16]) is None and qpacking.packing_refusal([f16]) == "F16 has no packed kernel"
 
 
 @pytest.mark.parametrize("m", [1, 40])
@@ -159,7 +161,7 @@ def test_mixed_qtype_merges_stack_their_parts(m):
     assert torch.equal(rows.data, ref.data) and torch.equal(rows.scales, ref.scales)
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1", "Q3_K", "IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL"])
 def test_k_quant_model_runs_packed_and_generates_the_dense_models_tokens(tmp_path, mix, caplog):
     """A tiny model in each K-quant mix loads with every projection packed (q/k/v of mixed types as
     parts) and greedy-generates what the dense float32 model of the same dequantized weights does."""
@@ -200,18 +202,18 @@ def test_k_quant_model_runs_packed_and_generates_the_dense_models_tokens(tmp_pat
 
 
 def test_dense_projections_are_logged_with_their_reason(tmp_path, caplog):
-    """Tensors without a kernel stay dense, and the load log says which and why."""
+    """Tensors without a packed kernel (here a file's F16 matrices) stay dense, and the load log says which and why."""
     import logging
 
     from engine.config import CacheConfig, EngineConfig
     from engine.engine import LLMEngine
 
-    path = str(make_tiny_gguf(tmp_path, "llama", "Q2_K"))
+    path = str(make_tiny_gguf(tmp_path, "llama", "F16"))
     with caplog.at_level(logging.INFO, logger="engine.quant.attach"):
         LLMEngine(EngineConfig(model=path, dtype="float32", cache=CacheConfig(num_blocks=16)))
     line = next(r.getMessage() for r in caplog.records if "dense projections" in r.getMessage())
-    assert "self_attn.qkv_proj in 2 layers (Q2_K 256x256, Q2_K 128x256, Q2_K 128x256: Q2_K has no packed kernel)" in line
-    assert "lm_head (Q2_K" in line
+    assert "self_attn.qkv_proj in 2 layers (F16 256x256, F16 128x256, F16 128x256: F16 has no packed kernel)" in line
+    assert "lm_head (F16" in line
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
