@@ -178,6 +178,23 @@ inline float group_block_half(const uint8_t* gb, int at, int r) {
   return static_cast<float>(c10::Half(reinterpret_cast<const uint16_t*>(gb + at)[r], c10::Half::from_bits()));
 }
 
+// Where BlockRef::fields keeps the 16 rows' fp16 scale d and offset m (a K type's dmin), 16 each:
+// in a group-block's fields and in a K type's super-block header alike.
+constexpr int kFieldD = 0, kFieldM = 32;
+// A K type's header then holds 16 bytes (one a row) per sub-block: from header_scales_at the scales
+// (Q6_K, Q3_K, IQ4_XS: int8; Q4_K, Q5_K: 6-bit; Q2_K: the file's byte of 4-bit scale and min), one
+// sub-block a group-block, two (elements 0-15, 16-31) for the split types; then, from kHeaderMinsAt,
+// Q4_K's and Q5_K's 6-bit mins, one sub-block a group-block.
+constexpr int header_scales_at(int qt) { return layout(qt).has_m ? 64 : 32; }
+constexpr int kHeaderMinsAt = 64 + 128;
+constexpr int scale_sub(int qt, int sub, int h) { return layout(qt).split ? 2 * sub + h : sub; }
+// The 16 rows' scale bytes of the elements [16h, 16h + 16) of group-block `sub` of a K-type
+// super-block, and (Q4_K, Q5_K) its mins.
+inline const uint8_t* header_scales(const uint8_t* header, int qt, int sub, int h) {
+  return header + header_scales_at(qt) + scale_sub(qt, sub, h) * 16;
+}
+inline const uint8_t* header_mins(const uint8_t* header, int sub) { return header + kHeaderMinsAt + sub * 16; }
+
 // Row r's scale d and offset m of a group-block, for its elements [16h, 16h + 16): element i's
 // value is d * (q_i - zero) + m (m only where the layout has_m), in the float32 operations of
 // gguf.quants.dequantize (d * sc and dmin * min rounded once, as there).
@@ -188,26 +205,23 @@ inline RowScale row_scale(const BlockRef& br, int qt, int r, int h) {
   switch (qt) {
     case kQ4_K:
     case kQ5_K: {
-      const float d = group_block_half(br.fields, 0, r), dmin = group_block_half(br.fields, 32, r);
-      const float sc = br.fields[64 + br.sub * 16 + r], mn = br.fields[64 + 128 + br.sub * 16 + r];
+      const float d = group_block_half(br.fields, kFieldD, r), dmin = group_block_half(br.fields, kFieldM, r);
+      const float sc = header_scales(br.fields, qt, br.sub, h)[r], mn = header_mins(br.fields, br.sub)[r];
       return {d * sc, -(dmin * mn)};
     }
     case kQ2_K: {
-      const float d = group_block_half(br.fields, 0, r), dmin = group_block_half(br.fields, 32, r);
-      const int sm = br.fields[64 + (2 * br.sub + h) * 16 + r];
+      const float d = group_block_half(br.fields, kFieldD, r), dmin = group_block_half(br.fields, kFieldM, r);
+      const int sm = header_scales(br.fields, qt, br.sub, h)[r];
       return {d * static_cast<float>(sm & 15), -(dmin * static_cast<float>(sm >> 4))};
     }
     case kQ6_K:
-    case kQ3_K: {
-      const float d = group_block_half(br.fields, 0, r);
-      return {d * static_cast<float>(static_cast<int8_t>(br.fields[32 + (2 * br.sub + h) * 16 + r])), 0.f};
-    }
+    case kQ3_K:
     case kIQ4_XS: {
-      const float d = group_block_half(br.fields, 0, r);
-      return {d * static_cast<float>(static_cast<int8_t>(br.fields[32 + br.sub * 16 + r])), 0.f};
+      const float sc = static_cast<int8_t>(header_scales(br.fields, qt, br.sub, h)[r]);
+      return {group_block_half(br.fields, kFieldD, r) * sc, 0.f};
     }
     default:
-      return {group_block_half(br.fields, 0, r), layout(qt).has_m ? group_block_half(br.fields, 32, r) : 0.f};
+      return {group_block_half(br.fields, kFieldD, r), layout(qt).has_m ? group_block_half(br.fields, kFieldM, r) : 0.f};
   }
 }
 

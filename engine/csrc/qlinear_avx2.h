@@ -87,21 +87,21 @@ template <int QT>
 QL_TARGET inline void block_scales(const BlockRef& br, int h, int part, __m256& dv, __m256& mv) {
   constexpr Layout L = layout(QT);
   if (QT == kQ4_K || QT == kQ5_K) {
-    dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 64 + br.sub * 16 + h * 8, false));
+    dv = _mm256_mul_ps(half8(br.fields + kFieldD + h * 16), bytes8(header_scales(br.fields, QT, br.sub, 0) + h * 8, false));
     mv = _mm256_setzero_ps();  // the mins meet the activations at the super-block's end
   } else if (QT == kQ6_K || QT == kQ3_K) {  // their offset is taken off in integers (Problem::xsh): no mv
-    dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 32 + (2 * br.sub + part) * 16 + h * 8, true));
+    dv = _mm256_mul_ps(half8(br.fields + kFieldD + h * 16), bytes8(header_scales(br.fields, QT, br.sub, part) + h * 8, true));
     mv = _mm256_setzero_ps();
   } else if (QT == kQ2_K) {  // the scale in each byte's low nibble; the mins at the super-block's end
-    const __m128i sm = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(br.fields + 64 + (2 * br.sub + part) * 16 + h * 8));
-    dv = _mm256_mul_ps(half8(br.fields + h * 16), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_cvtepu8_epi32(sm), _mm256_set1_epi32(15))));
+    const __m128i sm = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(header_scales(br.fields, QT, br.sub, part) + h * 8));
+    dv = _mm256_mul_ps(half8(br.fields + kFieldD + h * 16), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_cvtepu8_epi32(sm), _mm256_set1_epi32(15))));
     mv = _mm256_setzero_ps();
   } else if (QT == kIQ4_XS) {  // its offset 128 is taken off in integers: no mv
-    dv = _mm256_mul_ps(half8(br.fields + h * 16), bytes8(br.fields + 32 + br.sub * 16 + h * 8, true));
+    dv = _mm256_mul_ps(half8(br.fields + kFieldD + h * 16), bytes8(header_scales(br.fields, QT, br.sub, 0) + h * 8, true));
     mv = _mm256_setzero_ps();
   } else {
-    dv = half8(br.fields + h * 16);
-    mv = L.has_m ? half8(br.fields + 32 + h * 16) : _mm256_setzero_ps();
+    dv = half8(br.fields + kFieldD + h * 16);
+    mv = L.has_m ? half8(br.fields + kFieldM + h * 16) : _mm256_setzero_ps();
   }
 }
 
@@ -178,16 +178,16 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
             const int64_t sb_tb = tb - (kSuperBlocks - 1 - s);
             if (L.split) {
               for (int part = 0; part < 2; ++part) {
-                const __m128i sm = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(br.fields + 64 + (2 * s + part) * 16 + h * 8));
+                const __m128i sm = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(header_scales(br.fields, QT, s, part) + h * 8));
                 const __m256i m = _mm256_srli_epi32(_mm256_cvtepu8_epi32(sm), 4);
                 mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(m, _mm256_set1_epi32(p.xsh[2 * sb_tb + part])));
               }
               continue;
             }
-            const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(br.fields + 192 + s * 16 + h * 8)));
+            const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(header_mins(br.fields, s) + h * 8)));
             mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(m, _mm256_set1_epi32(p.xsum[sb_tb])));
           }
-          sb[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), half8(br.fields + 32 + h * 16), sb[t]);
+          sb[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), half8(br.fields + kFieldM + h * 16), sb[t]);
         }
         acc[t] = _mm256_fmadd_ps(sb[t], _mm256_set1_ps(p.xd[tb]), acc[t]);
         sb[t] = _mm256_setzero_ps();

@@ -220,21 +220,21 @@ template <int QT>
 CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const BlockRef& br, int h, __m512& dv, __m512& mv) {
   constexpr Layout L = layout(QT);
   if (QT == kQ4_K || QT == kQ5_K) {
-    dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 64 + br.sub * 16, false));
+    dv = _mm512_mul_ps(half16_avx512(br.fields + kFieldD), bytes16_avx512(header_scales(br.fields, QT, br.sub, 0), false));
     mv = _mm512_setzero_ps();  // super_block_mins_avx512
   } else if (QT == kQ6_K || QT == kQ3_K) {  // their offset is taken off in integers (Problem::xsh): no mv
-    dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 32 + (2 * br.sub + h) * 16, true));
+    dv = _mm512_mul_ps(half16_avx512(br.fields + kFieldD), bytes16_avx512(header_scales(br.fields, QT, br.sub, h), true));
     mv = _mm512_setzero_ps();
   } else if (QT == kQ2_K) {  // the scale in each byte's low nibble; the mins at the super-block's end
-    const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(br.fields + 64 + (2 * br.sub + h) * 16));
-    dv = _mm512_mul_ps(half16_avx512(br.fields), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sm, _mm_set1_epi8(15)))));
+    const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(header_scales(br.fields, QT, br.sub, h)));
+    dv = _mm512_mul_ps(half16_avx512(br.fields + kFieldD), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sm, _mm_set1_epi8(15)))));
     mv = _mm512_setzero_ps();
   } else if (QT == kIQ4_XS) {  // its offset 128 is taken off in integers: no mv
-    dv = _mm512_mul_ps(half16_avx512(br.fields), bytes16_avx512(br.fields + 32 + br.sub * 16, true));
+    dv = _mm512_mul_ps(half16_avx512(br.fields + kFieldD), bytes16_avx512(header_scales(br.fields, QT, br.sub, 0), true));
     mv = _mm512_setzero_ps();
   } else {
-    dv = half16_avx512(br.fields);
-    mv = L.has_m ? half16_avx512(br.fields + 32) : _mm512_setzero_ps();
+    dv = half16_avx512(br.fields + kFieldD);
+    mv = L.has_m ? half16_avx512(br.fields + kFieldM) : _mm512_setzero_ps();
   }
 }
 
@@ -253,10 +253,11 @@ struct SuperBlockMins {
 template <int QT, int DIGITS>
 CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline SuperBlockMins<QT> super_block_mins_avx512(const uint8_t* header) {
   SuperBlockMins<QT> m;
-  auto entry = [header](int s) {  // the 16 rows' min bytes of entry s
+  auto entry = [header](int s) {  // the 16 rows' min bytes of entry s (Q2_K: the high nibbles of its scale bytes)
     if (QT == kQ2_K)
-      return _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 64 + s * 16)), 4), _mm_set1_epi8(15));
-    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 64 + 128 + s * 16));
+      return _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header_scales(header, QT, s / 2, s % 2))), 4),
+                           _mm_set1_epi8(15));
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(header_mins(header, s)));
   };
   for (int s = 0; s < kMinEntries<QT>; s += (DIGITS == 1 ? 2 : 1)) {
     const __m128i a = entry(s);
@@ -412,7 +413,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
           const int64_t tb = dt + static_cast<int64_t>(b) * h + t;
           if (L.has_m)
             sb[i][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(super_block_min_sum_avx512<QT, DIGITS>(mins, p, tb - (kSuperBlocks - 1) * h, h)),
-                                        half16_avx512(bi.fields + 32), sb[i][t]);
+                                        half16_avx512(bi.fields + kFieldM), sb[i][t]);
           _mm512_store_ps(out[i][t], _mm512_fmadd_ps(sb[i][t], _mm512_set1_ps(p.xd[tb]), _mm512_load_ps(out[i][t])));
           sb[i][t] = _mm512_setzero_ps();
         }

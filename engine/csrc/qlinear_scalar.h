@@ -135,11 +135,11 @@ void group_scalar(const Problem& p, int64_t g) {
             for (int s = 0; s < kSuperBlocks; ++s) {
               const int64_t sb_tb = tb - (kSuperBlocks - 1 - s);
               if (L.split)
-                for (int hh = 0; hh < 2; ++hh) mins += (br.fields[64 + (2 * s + hh) * 16 + r] >> 4) * p.xsh[2 * sb_tb + hh];
+                for (int hh = 0; hh < 2; ++hh) mins += (header_scales(br.fields, p.qtype, s, hh)[r] >> 4) * p.xsh[2 * sb_tb + hh];
               else
-                mins += br.fields[64 + 128 + s * 16 + r] * p.xsum[sb_tb];
+                mins += header_mins(br.fields, s)[r] * p.xsum[sb_tb];
             }
-            sb[r] = std::fma(-group_block_half(br.fields, 32, r), static_cast<float>(mins), sb[r]);
+            sb[r] = std::fma(-group_block_half(br.fields, kFieldM, r), static_cast<float>(mins), sb[r]);
           }
           out[r] = std::fma(sb[r], p.xd[tb], out[r]);
           sb[r] = 0.f;
