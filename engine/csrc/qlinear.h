@@ -40,10 +40,14 @@
 //                                       header 320 + 8 x 128 = 1344 bytes (file 84 x 16 = 1344)
 // The non-linear 4-bit types store nibbles q that index kIq4Values (lut): the kernels look each
 // nibble up as kIq4Values[q] + 128, an unsigned byte, and from there compute as for Q8_0 (zero 128).
+// IQ3_S goes the same way through its own table (its grid rows and signs as nibbles, value 2q - 15).
 //   IQ4_NL: 4 nibble chunks, 16 fp16 d                    d * kIq4Values[q] 288 bytes (file 18/32)
 //   IQ4_XS: super-blocks, header 16 fp16 d, then per sub-block the 16 rows' int8 scale sc (the
 //           file's 6-bit scale - 32); value (d * sc) * kIq4Values[q]
 //                                       header 160 + 8 x 256 = 2208 bytes (file 136 x 16 = 2176)
+//   IQ3_S:  IQ4_XS's header (its int8 scales the file's 4-bit scale s as 1 + 2s), nibbles q through
+//           kIq3sBytes; value (d * sc) * (2q - 15)
+//                                       header 160 + 8 x 256 = 2208 bytes (file 110 x 16 = 1760)
 // d * sc is exact in float32 (an 11-bit fp16 significand times a 6- or 8-bit integer), so the
 // kernels' per-block scales are the file's own.  group_block_bytes() is the average bytes per
 // group-block (super-block / 8 for the K types), so a group is nb * group_block_bytes() bytes.
@@ -71,12 +75,12 @@ constexpr int kRowsBlockBytes = kGroupRows * kBlock;  // a row-scaled int8 group
 // GGML type ids, the qtype argument of the ops.
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kIQ4_NL = 20, kIQ4_XS = 23
+  kIQ4_NL = 20, kIQ3_S = 21, kIQ4_XS = 23
 };
 
 constexpr bool qtype_known(int qt) {
   return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 || qt == kQ4_K || qt == kQ5_K ||
-         qt == kQ6_K || qt == kQ2_K || qt == kQ3_K || qt == kIQ4_NL || qt == kIQ4_XS;
+         qt == kQ6_K || qt == kQ2_K || qt == kQ3_K || qt == kIQ4_NL || qt == kIQ4_XS || qt == kIQ3_S;
 }
 
 // IQ4_NL / IQ4_XS: the values their nibbles index (ggml's kvalues_iq4nl), and the same plus 128
@@ -87,6 +91,15 @@ alignas(16) constexpr uint8_t kIq4Bytes[16] = {iq4_byte(0),  iq4_byte(1),  iq4_b
                                                iq4_byte(4),  iq4_byte(5),  iq4_byte(6),  iq4_byte(7),
                                                iq4_byte(8),  iq4_byte(9),  iq4_byte(10), iq4_byte(11),
                                                iq4_byte(12), iq4_byte(13), iq4_byte(14), iq4_byte(15)};
+// IQ3_S: its grid's magnitudes are 1, 3, ..., 15, so a weight's grid value times its sign is 2q - 15
+// for a nibble q (engine/quant/blocks.py decodes the grid rows and sign bits to it).
+constexpr uint8_t iq3s_byte(int q) { return static_cast<uint8_t>(2 * q - 15 + 128); }
+alignas(16) constexpr uint8_t kIq3sBytes[16] = {iq3s_byte(0),  iq3s_byte(1),  iq3s_byte(2),  iq3s_byte(3),
+                                                iq3s_byte(4),  iq3s_byte(5),  iq3s_byte(6),  iq3s_byte(7),
+                                                iq3s_byte(8),  iq3s_byte(9),  iq3s_byte(10), iq3s_byte(11),
+                                                iq3s_byte(12), iq3s_byte(13), iq3s_byte(14), iq3s_byte(15)};
+// The unsigned bytes a lut type's nibbles index (Layout::lut).
+constexpr const uint8_t* lut_bytes(int qt) { return qt == kIQ3_S ? kIq3sBytes : kIq4Bytes; }
 
 // The layout of a qtype's packed blocks (see above), for the kernels' templates and the scalar code.
 struct Layout {
@@ -98,7 +111,7 @@ struct Layout {
   bool kquant;       // 256-weight super-blocks with a header of per-row fields
   bool split;        // two scales per 32-block (Q6_K, Q3_K, Q2_K: elements 0-15 and 16-31): their integer sums stay apart
   int header;        // K types: bytes of the super-block header
-  bool lut = false;  // nibbles index kIq4Values (IQ4_NL, IQ4_XS), looked up as iq4_byte
+  bool lut = false;  // nibbles index a value table (lut_bytes: IQ4_NL, IQ4_XS, IQ3_S), looked up as lut_bytes(qt)[q]
 };
 
 constexpr Layout layout(int qt) {
@@ -113,7 +126,8 @@ constexpr Layout layout(int qt) {
     case kQ3_K: return {4, 0, 4, false, true, true, 32 + 256};
     case kQ2_K: return {0, 2, 0, true, true, true, 64 + 256};
     case kIQ4_NL: return {4, 0, 128, false, false, false, 0, true};
-    case kIQ4_XS: return {4, 0, 128, false, true, false, 32 + 128, true};
+    case kIQ4_XS:
+    case kIQ3_S: return {4, 0, 128, false, true, false, 32 + 128, true};
     default: return {8, 0, 128, false, false, false, 0};  // Q8_0
   }
 }
@@ -182,7 +196,7 @@ inline float group_block_half(const uint8_t* gb, int at, int r) {
 // in a group-block's fields and in a K type's super-block header alike.
 constexpr int kFieldD = 0, kFieldM = 32;
 // A K type's header then holds 16 bytes (one a row) per sub-block: from header_scales_at the scales
-// (Q6_K, Q3_K, IQ4_XS: int8; Q4_K, Q5_K: 6-bit; Q2_K: the file's byte of 4-bit scale and min), one
+// (Q6_K, Q3_K, IQ4_XS, IQ3_S: int8; Q4_K, Q5_K: 6-bit; Q2_K: the file's byte of 4-bit scale and min), one
 // sub-block a group-block, two (elements 0-15, 16-31) for the split types; then, from kHeaderMinsAt,
 // Q4_K's and Q5_K's 6-bit mins, one sub-block a group-block.
 constexpr int header_scales_at(int qt) { return layout(qt).has_m ? 64 : 32; }
@@ -216,7 +230,8 @@ inline RowScale row_scale(const BlockRef& br, int qt, int r, int h) {
     }
     case kQ6_K:
     case kQ3_K:
-    case kIQ4_XS: {
+    case kIQ4_XS:
+    case kIQ3_S: {
       const float sc = static_cast<int8_t>(header_scales(br.fields, qt, br.sub, h)[r]);
       return {group_block_half(br.fields, kFieldD, r) * sc, 0.f};
     }
@@ -225,7 +240,7 @@ inline RowScale row_scale(const BlockRef& br, int qt, int r, int h) {
   }
 }
 
-// Row r's 32 unsigned quants of group-block `q` (Q8_0: q + 128; the lut types: iq4_byte(q)).
+// Row r's 32 unsigned quants of group-block `q` (Q8_0: q + 128; the lut types: lut_bytes(qt)[q]).
 inline void row_quants(const uint8_t* q, int qt, int r, uint8_t out[32]) {
   const Layout L = layout(qt);
   if (L.quant_chunks == 8) {
@@ -253,8 +268,8 @@ inline void row_quants(const uint8_t* q, int qt, int r, uint8_t out[32]) {
         lo |= ((q[256 + r * 4 + j] >> (2 * c)) & 3) << 4;
         hi |= ((q[320 + r * 4 + j] >> (2 * c)) & 3) << 4;
       }
-      out[4 * c + j] = L.lut ? iq4_byte(lo) : lo;
-      out[16 + 4 * c + j] = L.lut ? iq4_byte(hi) : hi;
+      out[4 * c + j] = L.lut ? lut_bytes(qt)[lo] : lo;
+      out[16 + 4 * c + j] = L.lut ? lut_bytes(qt)[hi] : hi;
     }
 }
 

@@ -96,7 +96,7 @@ QL_TARGET inline void block_scales(const BlockRef& br, int h, int part, __m256& 
     const __m128i sm = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(header_scales(br.fields, QT, br.sub, part) + h * 8));
     dv = _mm256_mul_ps(half8(br.fields + kFieldD + h * 16), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_cvtepu8_epi32(sm), _mm256_set1_epi32(15))));
     mv = _mm256_setzero_ps();
-  } else if (QT == kIQ4_XS) {  // its offset 128 is taken off in integers: no mv
+  } else if (QT == kIQ4_XS || QT == kIQ3_S) {  // their offset 128 is taken off in integers: no mv
     dv = _mm256_mul_ps(half8(br.fields + kFieldD + h * 16), bytes8(header_scales(br.fields, QT, br.sub, 0) + h * 8, true));
     mv = _mm256_setzero_ps();
   } else {
@@ -144,8 +144,8 @@ QL_TARGET void group_half(const Problem& p, int64_t g, int t0, int h, int pass, 
           w[4 + c] = _mm256_or_si256(w[4 + c], plane_bits<QT>(plane, c, 1));
         }
       }
-      if (L.lut) {  // nibble -> kIq4Values + 128; without VNNI the signed value, as Q8_0's above
-        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Bytes)));
+      if (L.lut) {  // nibble -> its value + 128; without VNNI the signed value, as Q8_0's above
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut_bytes(QT))));
         for (int c = 0; c < 8; ++c) w[c] = _mm256_shuffle_epi8(lut, w[c]);
 #if !QL_VNNI
         for (int c = 0; c < 8; ++c) w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8(static_cast<char>(0x80)));

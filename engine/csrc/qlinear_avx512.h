@@ -229,7 +229,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const 
     const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(header_scales(br.fields, QT, br.sub, h)));
     dv = _mm512_mul_ps(half16_avx512(br.fields + kFieldD), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sm, _mm_set1_epi8(15)))));
     mv = _mm512_setzero_ps();
-  } else if (QT == kIQ4_XS) {  // its offset 128 is taken off in integers: no mv
+  } else if (QT == kIQ4_XS || QT == kIQ3_S) {  // their offset 128 is taken off in integers: no mv
     dv = _mm512_mul_ps(half16_avx512(br.fields + kFieldD), bytes16_avx512(header_scales(br.fields, QT, br.sub, 0), true));
     mv = _mm512_setzero_ps();
   } else {
@@ -317,7 +317,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
   for (int i = 0; i < NG; ++i)
     for (int t = 0; t < MT; ++t) acc[i][t] = sb[i][t] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Bytes)));
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut_bytes(QT))));
   // The same block of the NG groups the next tile reads, into L2, spread over the passes (as the
   // row-int8 kernel below does): a fixed distance ahead of each of the NG interleaved streams
   // missed the start of every other pair's second group.
@@ -357,7 +357,7 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) void group_tile_avx512(const Problem& 
           if (L.plane_chunks)
             for (int half = 0; half < 2; ++half)
               w[i][half] = _mm512_or_si512(w[i][half], plane_bits_avx512<QT>(plane[i], c, half));
-          if (L.lut)  // nibble -> kIq4Values + 128
+          if (L.lut)  // nibble -> its value + 128
             for (int half = 0; half < 2; ++half) w[i][half] = _mm512_shuffle_epi8(lut, w[i][half]);
         }
       }
