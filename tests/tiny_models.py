@@ -98,7 +98,7 @@ _TINY_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r"]
 # Byte offsets of the float16 scale fields in each block, for types gguf.quants cannot quantize:
 # random bytes plus sane scales make valid blocks.
 _F16_FIELDS = {
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,), "IQ3_XXS": (0,),
     "IQ2_XXS": (0,),
 }
 

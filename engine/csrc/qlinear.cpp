@@ -213,6 +213,7 @@ inline void dispatch_qtype(int qtype, const F& f) {
     case kQ6_K: f(std::integral_constant<int, kQ6_K>{}); break;
     case kIQ4_NL: f(std::integral_constant<int, kIQ4_NL>{}); break;
     case kIQ3_S: f(std::integral_constant<int, kIQ3_S>{}); break;
+    case kIQ3_XXS: f(std::integral_constant<int, kIQ3_XXS>{}); break;
     case kIQ4_XS: f(std::integral_constant<int, kIQ4_XS>{}); break;
     default: f(std::integral_constant<int, kQ8_0>{}); break;
   }

@@ -48,6 +48,8 @@
 //   IQ3_S:  IQ4_XS's header (its int8 scales the file's 4-bit scale s as 1 + 2s), nibbles q through
 //           kIq3sBytes; value (d * sc) * (2q - 15)
 //                                       header 160 + 8 x 256 = 2208 bytes (file 110 x 16 = 1760)
+//   IQ3_XXS: the same through kIq3xxsBytes; value (d * sc) * grid_value(q) / 4
+//                                       header 160 + 8 x 256 = 2208 bytes (file 98 x 16 = 1568)
 // d * sc is exact in float32 (an 11-bit fp16 significand times a 6- or 8-bit integer), so the
 // kernels' per-block scales are the file's own.  group_block_bytes() is the average bytes per
 // group-block (super-block / 8 for the K types), so a group is nb * group_block_bytes() bytes.
@@ -75,12 +77,13 @@ constexpr int kRowsBlockBytes = kGroupRows * kBlock;  // a row-scaled int8 group
 // GGML type ids, the qtype argument of the ops.
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kIQ4_NL = 20, kIQ3_S = 21, kIQ4_XS = 23
+  kIQ3_XXS = 18, kIQ4_NL = 20, kIQ3_S = 21, kIQ4_XS = 23
 };
 
 constexpr bool qtype_known(int qt) {
   return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 || qt == kQ4_K || qt == kQ5_K ||
-         qt == kQ6_K || qt == kQ2_K || qt == kQ3_K || qt == kIQ4_NL || qt == kIQ4_XS || qt == kIQ3_S;
+         qt == kQ6_K || qt == kQ2_K || qt == kQ3_K || qt == kIQ4_NL || qt == kIQ4_XS || qt == kIQ3_S ||
+         qt == kIQ3_XXS;
 }
 
 // IQ4_NL / IQ4_XS: the values their nibbles index (ggml's kvalues_iq4nl), and the same plus 128
@@ -91,15 +94,26 @@ alignas(16) constexpr uint8_t kIq4Bytes[16] = {iq4_byte(0),  iq4_byte(1),  iq4_b
                                                iq4_byte(4),  iq4_byte(5),  iq4_byte(6),  iq4_byte(7),
                                                iq4_byte(8),  iq4_byte(9),  iq4_byte(10), iq4_byte(11),
                                                iq4_byte(12), iq4_byte(13), iq4_byte(14), iq4_byte(15)};
-// IQ3_S: its grid's magnitudes are 1, 3, ..., 15, so a weight's grid value times its sign is 2q - 15
-// for a nibble q (engine/quant/blocks.py decodes the grid rows and sign bits to it).
-constexpr uint8_t iq3s_byte(int q) { return static_cast<uint8_t>(2 * q - 15 + 128); }
+// IQ3_S and IQ3_XXS: a weight's grid magnitude, the l-th of the type's 8, with its sign is the nibble
+// 8 + l, or 7 - l when negative (engine/quant/blocks.py decodes the grid rows and sign bits to it).
+// IQ3_S's magnitudes are 1, 3, ..., 15 (so the value is 2q - 15), IQ3_XXS's 4, 12, ..., 52, 62.
+constexpr int grid_value(const int (&mag)[8], int q) { return q >= 8 ? mag[q - 8] : -mag[7 - q]; }
+constexpr int kIq3sMagnitudes[8] = {1, 3, 5, 7, 9, 11, 13, 15};
+constexpr int kIq3xxsMagnitudes[8] = {4, 12, 20, 28, 36, 44, 52, 62};
+constexpr uint8_t iq3s_byte(int q) { return static_cast<uint8_t>(grid_value(kIq3sMagnitudes, q) + 128); }
+constexpr uint8_t iq3xxs_byte(int q) { return static_cast<uint8_t>(grid_value(kIq3xxsMagnitudes, q) + 128); }
 alignas(16) constexpr uint8_t kIq3sBytes[16] = {iq3s_byte(0),  iq3s_byte(1),  iq3s_byte(2),  iq3s_byte(3),
                                                 iq3s_byte(4),  iq3s_byte(5),  iq3s_byte(6),  iq3s_byte(7),
                                                 iq3s_byte(8),  iq3s_byte(9),  iq3s_byte(10), iq3s_byte(11),
                                                 iq3s_byte(12), iq3s_byte(13), iq3s_byte(14), iq3s_byte(15)};
+alignas(16) constexpr uint8_t kIq3xxsBytes[16] = {
+    iq3xxs_byte(0), iq3xxs_byte(1), iq3xxs_byte(2),  iq3xxs_byte(3),  iq3xxs_byte(4),  iq3xxs_byte(5),  iq3xxs_byte(6),  iq3xxs_byte(7),
+    iq3xxs_byte(8), iq3xxs_byte(9), iq3xxs_byte(10), iq3xxs_byte(11), iq3xxs_byte(12), iq3xxs_byte(13), iq3xxs_byte(14), iq3xxs_byte(15)};
 // The unsigned bytes a lut type's nibbles index (Layout::lut).
-constexpr const uint8_t* lut_bytes(int qt) { return qt == kIQ3_S ? kIq3sBytes : kIq4Bytes; }
+constexpr const uint8_t* lut_bytes(int qt) { return qt == kIQ3_S ? kIq3sBytes : qt == kIQ3_XXS ? kIq3xxsBytes : kIq4Bytes; }
+// What the header's d * sc is multiplied by (IQ3_XXS: its scale is d * (0.5 + s) * 0.5 = d * (1 + 2s) / 4,
+// exact in float32 as gguf computes it).
+constexpr float scale_factor(int qt) { return qt == kIQ3_XXS ? 0.25f : 1.f; }
 
 // The layout of a qtype's packed blocks (see above), for the kernels' templates and the scalar code.
 struct Layout {
@@ -127,7 +141,8 @@ constexpr Layout layout(int qt) {
     case kQ2_K: return {0, 2, 0, true, true, true, 64 + 256};
     case kIQ4_NL: return {4, 0, 128, false, false, false, 0, true};
     case kIQ4_XS:
-    case kIQ3_S: return {4, 0, 128, false, true, false, 32 + 128, true};
+    case kIQ3_S:
+    case kIQ3_XXS: return {4, 0, 128, false, true, false, 32 + 128, true};
     default: return {8, 0, 128, false, false, false, 0};  // Q8_0
   }
 }
@@ -231,9 +246,10 @@ inline RowScale row_scale(const BlockRef& br, int qt, int r, int h) {
     case kQ6_K:
     case kQ3_K:
     case kIQ4_XS:
-    case kIQ3_S: {
+    case kIQ3_S:
+    case kIQ3_XXS: {
       const float sc = static_cast<int8_t>(header_scales(br.fields, qt, br.sub, h)[r]);
-      return {group_block_half(br.fields, kFieldD, r) * sc, 0.f};
+      return {group_block_half(br.fields, kFieldD, r) * sc * scale_factor(qt), 0.f};
     }
     default:
       return {group_block_half(br.fields, kFieldD, r), layout(qt).has_m ? group_block_half(br.fields, kFieldM, r) : 0.f};

@@ -96,8 +96,9 @@ QL_TARGET inline void block_scales(const BlockRef& br, int h, int part, __m256& 
     const __m128i sm = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(header_scales(br.fields, QT, br.sub, part) + h * 8));
     dv = _mm256_mul_ps(half8(br.fields + kFieldD + h * 16), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_cvtepu8_epi32(sm), _mm256_set1_epi32(15))));
     mv = _mm256_setzero_ps();
-  } else if (QT == kIQ4_XS || QT == kIQ3_S) {  // their offset 128 is taken off in integers: no mv
+  } else if (QT == kIQ4_XS || QT == kIQ3_S || QT == kIQ3_XXS) {  // their offset 128 is taken off in integers: no mv
     dv = _mm256_mul_ps(half8(br.fields + kFieldD + h * 16), bytes8(header_scales(br.fields, QT, br.sub, 0) + h * 8, true));
+    if (QT == kIQ3_XXS) dv = _mm256_mul_ps(dv, _mm256_set1_ps(scale_factor(QT)));
     mv = _mm256_setzero_ps();
   } else {
     dv = half8(br.fields + kFieldD + h * 16);

@@ -229,8 +229,9 @@ CPUSERVE_TARGET(CPUSERVE_ISA_AVX512_VNNI) inline void block_scales_avx512(const 
     const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(header_scales(br.fields, QT, br.sub, h)));
     dv = _mm512_mul_ps(half16_avx512(br.fields + kFieldD), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sm, _mm_set1_epi8(15)))));
     mv = _mm512_setzero_ps();
-  } else if (QT == kIQ4_XS || QT == kIQ3_S) {  // their offset 128 is taken off in integers: no mv
+  } else if (QT == kIQ4_XS || QT == kIQ3_S || QT == kIQ3_XXS) {  // their offset 128 is taken off in integers: no mv
     dv = _mm512_mul_ps(half16_avx512(br.fields + kFieldD), bytes16_avx512(header_scales(br.fields, QT, br.sub, 0), true));
+    if (QT == kIQ3_XXS) dv = _mm512_mul_ps(dv, _mm512_set1_ps(scale_factor(QT)));
     mv = _mm512_setzero_ps();
   } else {
     dv = half16_avx512(br.fields + kFieldD);

@@ -28,10 +28,10 @@ from engine.loader.types import GGUFTensor, LoadedModel, ModelLoadError, Progres
 from engine.tokenizer import Tokenizer, gguf_field
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-# Types gguf.quants can dequantize and that we have tested; others (the other 1-3 bit IQ types, TQ*,
-# integer types) are refused.
+# Types gguf.quants can dequantize and that we have tested; others (IQ1_*, IQ2_*, TQ*, integer
+# types) are refused.
 SUPPORTED_QTYPES = frozenset(
-    ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "IQ4_NL", "IQ4_XS")
+    ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
 )
 
 _GLOBAL_NAMES = {

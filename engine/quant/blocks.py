@@ -1,18 +1,19 @@
 """GGUF quant blocks <-> the packed kernel layout of ``engine/csrc/qlinear.h``, for every block type
-with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ3_S, IQ4_NL, IQ4_XS).
+with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS).
 
 The layout: groups of 16 output rows, each a sequential run of "group-blocks" whose quants are
 interleaved in 4-byte words so that one vector instruction advances 16 rows at once; the last
 group is padded with zero rows.
 
 Both directions go through one neutral form, "units": each weight's unsigned integer quant
-(uint8 [N, K]; Q8_0's q + 128; IQ4_NL/IQ4_XS the nibble that indexes their value table, IQ3_S the
-nibble q of its grid value times sign, 2q - 15) and the per-block fields as the file holds them (fp16 scales as
+(uint8 [N, K]; Q8_0's q + 128; IQ4_NL/IQ4_XS the nibble that indexes their value table; IQ3_XXS/IQ3_S
+a nibble q for the grid value level l and sign: 8 + l, or 7 - l when negative) and the per-block fields as the file holds them (fp16 scales as
 raw bytes, the K types' 6-bit scales and mins one byte each; Q2_K's scale-and-min bytes as the file has them).  :func:`decode` / :func:`encode`
 convert GGUF bytes to and from units (a bijection: ``encode(decode(raw)) == raw``), and
 :func:`pack_units` / :func:`unpack_units` units to and from the packed layout.  Nothing is
 rounded: the packed weights dequantize to exactly the file's values.  (Q3_K's 3-bit quants take a
-nibble each, so its packed blocks are 1.33x the file's bytes, and IQ3_S's 3.4-bit grid codes 1.2x;
+nibble each, so its packed blocks are 1.33x the file's bytes, IQ3_S's 3.4-bit grid codes 1.25x and
+IQ3_XXS's 3.06-bit ones 1.41x;
 every other type's are within 3%, Q2_K's 2-bit quants in a plane of their own, as the file's size.)
 """
 
@@ -31,31 +32,31 @@ SUPER = 256  # weights per K-type super-block
 # GGML type ids, as the native op takes them.
 QTYPE_IDS = {
     "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
-    "IQ3_S": 21, "IQ4_XS": 23,
+    "IQ3_XXS": 18, "IQ3_S": 21, "IQ4_XS": 23,
 }
 # (weights, bytes) of one GGUF block.
 GGUF_BLOCKS = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "IQ4_NL": (32, 18),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136),
-    "IQ3_S": (256, 110),
+    "IQ3_XXS": (256, 98), "IQ3_S": (256, 110),
 }
 # Types of 256-weight super-blocks with per-32 (Q2_K, Q3_K, Q6_K: per-16) scales: their packed groups
 # keep a header per super-block, and their activations share one scale per super-block.
-K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "IQ4_XS")
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ3_XXS", "IQ3_S", "IQ4_XS")
 # K types whose header is d and one int8 scale per sub-block (Q6_K, Q3_K: 16 a super-block; the rest 8).
-_SCALE_HEADER_TYPES = ("Q6_K", "Q3_K", "IQ3_S", "IQ4_XS")
+_SCALE_HEADER_TYPES = ("Q6_K", "Q3_K", "IQ3_XXS", "IQ3_S", "IQ4_XS")
 BLOCK_BYTES = {q: b for q, (w, b) in GGUF_BLOCKS.items() if w == BLOCK}  # GGUF bytes per 32 weights (32-weight types)
 # Byte offsets of each GGUF block's fp16 fields (d, and m / dmin): with any bytes elsewhere a block
 # is valid, which is how tests and benchmarks make random ones.
 FP16_AT = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "IQ4_NL": (0,), "IQ4_XS": (0,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ3_S": (0,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ3_S": (0,), "IQ3_XXS": (0,),
 }
 # Per type: (quant bytes per row and 32-block: nibbles or Q8_0's bytes, high-bit plane bytes; Q2_K:
 # its whole 2-bit quants in the plane).
 _QUANT_BYTES = {"Q8_0": (32, 0), "Q5_0": (16, 4), "Q5_1": (16, 4), "Q5_K": (16, 4), "Q6_K": (16, 8), "Q2_K": (0, 8)}
 _HEADER_BYTES = {"Q2_K": 64 + 256, "Q3_K": 32 + 256, "Q4_K": 64 + 256, "Q5_K": 64 + 256, "Q6_K": 32 + 256, "IQ4_XS": 32 + 128,
-                 "IQ3_S": 32 + 128}  # per 16 rows and super-block
+                 "IQ3_S": 32 + 128, "IQ3_XXS": 32 + 128}  # per 16 rows and super-block
 
 
 def quant_bytes(qtype: str) -> tuple[int, int]:
@@ -99,21 +100,52 @@ _BIT_MASKS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 @functools.lru_cache(maxsize=None)
-def _iq3s_levels() -> torch.Tensor:
-    """IQ3_S's grid, int64 [512, 4]: each row's 4 magnitudes 2l + 1 as their level l (0-7), from gguf-py's table."""
-    from gguf.quants import IQ3_S
+def _grid_levels(qtype: str) -> torch.Tensor:
+    """An IQ3 type's grid, int64 [rows, 4]: each row's 4 magnitudes as their level l (0-7), the index
+    of the magnitude in the type's 8 values (gguf-py's tables)."""
+    import gguf.quants
 
-    IQ3_S.init_grid()
-    return ((torch.from_numpy(IQ3_S.grid.reshape(512, 4).copy()) - 1) / 2).to(torch.int64)
+    cls = getattr(gguf.quants, qtype)
+    cls.init_grid()
+    grid = torch.from_numpy(cls.grid.reshape(-1, 4).copy())
+    return (grid[..., None] == torch.tensor(cls.grid_map, dtype=grid.dtype)).to(torch.int64).argmax(-1)
 
 
 @functools.lru_cache(maxsize=None)
-def _iq3s_rows() -> torch.Tensor:
-    """Inverse of :func:`_iq3s_levels`: int64 [4096], the grid row of levels (l0, l1, l2, l3) at
+def _grid_codes(qtype: str) -> torch.Tensor:
+    """Inverse of :func:`_grid_levels`: int64 [4096], the grid row of levels (l0, l1, l2, l3) at
     l0 + 8 l1 + 64 l2 + 512 l3, -1 where the grid has no such row."""
+    levels = _grid_levels(qtype)
     rows = torch.full((4096,), -1, dtype=torch.int64)
-    rows[(_iq3s_levels() * torch.tensor([1, 8, 64, 512])).sum(-1)] = torch.arange(512)
+    rows[(levels * torch.tensor([1, 8, 64, 512])).sum(-1)] = torch.arange(levels.shape[0])
     return rows
+
+
+def _grid_nibbles(qtype: str, rows: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """The nibbles of grid rows int64 [..., g] (4 weights each) with their 4g sign bits (bool, any
+    shape after the leading dims): 8 + l, or 7 - l = (8 + l) ^ 15 where negative; uint8 [..., 4g]
+    (uint8 table lookups: the 1B IQ3_M file's 78 tensors took 26 s to pack through int64 ones)."""
+    lead = rows.shape[:-1]
+    q = torch.nn.functional.embedding(rows, (_grid_levels(qtype) + 8).to(torch.uint8)).reshape(*lead, -1)
+    return q ^ (negative.reshape(*lead, -1).to(torch.uint8) * 15)
+
+
+def _grid_rows(qtype: str, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_grid_nibbles`: nibbles [..., g, 4] -> (grid rows int64 [..., g], negative bool [..., g, 4])."""
+    q = q.to(torch.int64)
+    negative = q < 8
+    rows = _grid_codes(qtype)[(torch.where(negative, 7 - q, q - 8) * torch.tensor([1, 8, 64, 512])).sum(-1)]
+    if (rows < 0).any():
+        raise ValueError(f"{qtype} quants off its grid")
+    return rows, negative
+
+
+@functools.lru_cache(maxsize=None)
+def _ksigns() -> torch.Tensor:
+    """ggml's ksigns, uint8 [128]: the sign byte named by its low 7 bits (the 8th, bit 7, their parity)."""
+    from gguf.quants import IQ2_XXS
+
+    return torch.frombuffer(bytearray(IQ2_XXS.ksigns), dtype=torch.uint8)
 
 
 def _bits_of_u32(b: torch.Tensor) -> torch.Tensor:
@@ -153,7 +185,7 @@ def decode(raw: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, dict[st
     bits; Q3_K's the 6-bit scale - 32, as it multiplies); Q2_K "d", "dmin" [N, K/256, 2], "sm"
     [N, K/256, 16] (the file's bytes: per 16 weights a 4-bit scale, low nibble, and min, high);
     IQ4_XS "d" [N, K/256, 2], "sc" [N, K/256, 8] (int8 bits of the 6-bit scale - 32, as it multiplies);
-    IQ3_S the same ("sc" its 4-bit scale s as the 1 + 2s it multiplies).
+    IQ3_S and IQ3_XXS the same ("sc" the 4-bit scale s as 1 + 2s; IQ3_XXS's values are a quarter of that).
     """
     n = raw.shape[0]
     bw, bb = GGUF_BLOCKS[qtype]
@@ -187,10 +219,17 @@ def decode(raw: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, dict[st
         # qs[g] | bit g % 8 of qh[g // 8] << 8, its 4 magnitudes 2l + 1; a sign bit a weight; 4-bit scales
         d, qs, qh, signs, sc = b[..., 0:2], b[..., 2:66], b[..., 66:74], b[..., 74:106], b[..., 106:110]
         row = qs.to(torch.int64) | ((qh[..., None] & _BIT_MASKS).ne(0).reshape(n, ns, 64).to(torch.int64) << 8)
-        q = torch.nn.functional.embedding(row, (_iq3s_levels() + 8).to(torch.uint8)).reshape(n, ns, 256)
-        q ^= (signs[..., None] & _BIT_MASKS).ne(0).reshape(n, ns, 256).to(torch.uint8) * 15  # 7 - l = (8 + l) ^ 15
+        q = _grid_nibbles("IQ3_S", row, (signs[..., None] & _BIT_MASKS).ne(0))
         s4 = torch.stack([sc & 15, sc >> 4], dim=-1).reshape(n, ns, 8)
         return q.reshape(n, k), {"d": d, "sc": 1 + 2 * s4}
+    if qtype == "IQ3_XXS":  # d, qs (64 grid rows of 4 weights), per 32 weights a u32: 4 x 7 bits naming
+        # the sign bytes of its 8-weight runs (ggml's ksigns: the 8th sign the parity), the scale in bits 28-31
+        d, qs = b[..., 0:2], b[..., 2:66]
+        w = b[..., 66:98].reshape(n, ns, 8, 4).to(torch.int64)
+        w = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)  # [n, ns, 8]
+        sign_bytes = _ksigns()[(w[..., None] >> torch.tensor([0, 7, 14, 21])) & 127]  # [n, ns, 8, 4]
+        q = _grid_nibbles("IQ3_XXS", qs.to(torch.int64), (sign_bytes[..., None] & _BIT_MASKS).ne(0))
+        return q.reshape(n, k), {"d": d, "sc": (1 + 2 * (w >> 28)).to(torch.uint8)}
     if qtype == "IQ4_XS":  # d, scales_h (u16: bits 2s..2s+1 the high bits of scale s), scales_l (nibbles), qs
         d, sh, sl = b[..., 0:2], b[..., 2:4].to(torch.int32), b[..., 4:8]
         high = ((sh[..., 0:1] | (sh[..., 1:2] << 8)) >> (2 * torch.arange(8, dtype=torch.int32))) & 3
@@ -244,17 +283,19 @@ def encode(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> torc
         high = ((ls >> 4).reshape(n, ns, 4, 4) << shifts.reshape(1, 1, 4, 1)).sum(2)
         parts = [hm, qs_bytes, low, high, fields["d"]]
         return torch.cat([x.to(torch.uint8) for x in parts], dim=-1).reshape(n, -1)
-    if qtype == "IQ3_S":
-        q4 = qs.reshape(n, ns, 64, 4).to(torch.int64)
-        negative = q4 < 8
-        level = torch.where(negative, 7 - q4, q4 - 8)
-        row = _iq3s_rows()[(level * torch.tensor([1, 8, 64, 512])).sum(-1)]
-        if (row < 0).any():
-            raise ValueError("IQ3_S quants off its grid")
-        qh = ((row >> 8).reshape(n, ns, 8, 8) << _BITS8).sum(-1)
-        sb = (negative.reshape(n, ns, 32, 8).to(torch.int64) << _BITS8).sum(-1)
+    if qtype in ("IQ3_S", "IQ3_XXS"):
+        row, negative = _grid_rows(qtype, qs.reshape(n, ns, 64, 4))
+        sign_bytes = (negative.reshape(n, ns, 32, 8).to(torch.int64) << _BITS8).sum(-1)
         s4 = (fields["sc"].to(torch.int64) - 1) // 2
-        parts = [fields["d"], row & 255, qh, sb, s4[..., 0::2] | (s4[..., 1::2] << 4)]
+        if qtype == "IQ3_S":
+            qh = ((row >> 8).reshape(n, ns, 8, 8) << _BITS8).sum(-1)
+            parts = [fields["d"], row & 255, qh, sign_bytes, s4[..., 0::2] | (s4[..., 1::2] << 4)]
+        else:
+            runs = sign_bytes.reshape(n, ns, 8, 4) & 127
+            if not torch.equal(_ksigns()[runs], sign_bytes.reshape(n, ns, 8, 4).to(torch.uint8)):
+                raise ValueError("IQ3_XXS signs with odd parity in a run of 8")
+            w = (runs << torch.tensor([0, 7, 14, 21])).sum(-1) | (s4 << 28)
+            parts = [fields["d"], row, torch.stack([(w >> (8 * i)) & 255 for i in range(4)], dim=-1).reshape(n, ns, 32)]
         return torch.cat([x.to(torch.uint8) for x in parts], dim=-1).reshape(n, -1)
     if qtype == "IQ4_XS":
         ls = (fields["sc"].to(torch.int32) + 32) & 63

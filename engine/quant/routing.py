@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 # whose block kernel saves fewer bytes over the dense or row-int8 paths and unpacks more per byte.
 FAMILY = {
     "Q4_0": "Q4", "Q4_1": "Q4", "Q5_0": "Q4", "Q5_1": "Q4", "Q4_K": "Q4", "Q5_K": "Q4", "IQ4_NL": "Q4", "IQ4_XS": "Q4",
-    "Q2_K": "Q4", "Q3_K": "Q4", "IQ3_S": "Q4",
+    "Q2_K": "Q4", "Q3_K": "Q4", "IQ3_S": "Q4", "IQ3_XXS": "Q4",
     "Q6_K": "Q8", "Q8_0": "Q8",
 }
 

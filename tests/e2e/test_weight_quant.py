@@ -36,9 +36,9 @@ def test_hf_directory_served_quantized(tmp_path, weight_quant: str) -> None:
         srv.stop()
 
 
-@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ4_NL", "Q3_K", "Q2_K", "IQ3_S"])
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ4_NL", "Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS"])
 def test_gguf_types_served_from_their_blocks(tmp_path, qtype: str) -> None:
-    """A GGUF file of each type the packed kernels took on last (IQ4_XS / IQ4_NL / IQ3_S were refused at
+    """A GGUF file of each type the packed kernels took on last (IQ4_XS / IQ4_NL / IQ3_S / IQ3_XXS were refused at
     load, Q3_K and Q2_K ran dense) loads with every projection in its blocks, says so in the start-up log, and
     serves completions and streams."""
     from tests.tiny_models import make_tiny_gguf

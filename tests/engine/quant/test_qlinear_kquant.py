@@ -1,7 +1,7 @@
 """Packed kernels for the K-quant block types (Q4_K, Q5_K, Q6_K) and Q5_0 / Q5_1, the types a
 Q4_K_M / Q5_K_M / Q6_K file holds (llama-quantize falls back to Q5_0 / Q5_1 / Q8_0 for rows whose
 length is not a multiple of 256), Q2_K and Q3_K (Q2_K and Q3_K_M files'), the non-linear IQ4_NL / IQ4_XS of
-an IQ4_XS file and IQ3_S (an IQ3_M file's).  The reference is gguf.quants' own dequantization: the kernels
+an IQ4_XS file and IQ3_S / IQ3_XXS (IQ3_M / IQ3_XS files').  The reference is gguf.quants' own dequantization: the kernels
 must compute with exactly the file's weights, the only rounding being the activations' (as for
 Q4_0 / Q8_0, tests/engine/quant/test_qlinear.py), which for the K types share one scale per
 256-element super-block, as llama.cpp's Q8_K does.
@@ -18,7 +18,7 @@ from tests.tiny_models import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not qweights.native_available(), reason="native extension unavailable")
 
-NEW_QTYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S"]
+NEW_QTYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS"]
 
 
 def act_block(qtype: str) -> int:
@@ -46,14 +46,14 @@ def packed(raw: torch.Tensor, qtype: str, n: int, k: int, isa_name=None, act_bit
 def test_layout_roundtrip_and_dequantize(qtype):
     """unpack(pack(blocks)) gives the file's bytes back; the packed bytes stay the file's size (Q4_K,
     Q5_K: 1/32 more, their 6-bit scales and mins unpacked to a byte; IQ4_XS 1/64; Q3_K a third more,
-    its 3-bit quants in nibbles, IQ3_S a quarter more, its grid codes as nibbles; Q2_K exactly);
+    its 3-bit quants in nibbles, IQ3_S / IQ3_XXS a quarter / 41% more, their grid codes as nibbles; Q2_K exactly);
     dequantize is gguf's."""
     n, k = 37, 512
     raw = random_blocks(qtype, n, k, seed=1)
     data = qblocks.pack_blocks(raw, qtype, (n, k))
     assert data.numel() == 3 * (k // 32) * qblocks.GROUP_BLOCK_BYTES[qtype]  # 37 rows -> 3 groups of 16
     file_bytes = 48 * raw.shape[1]
-    assert file_bytes <= data.numel() <= file_bytes * {"Q3_K": 1.33, "IQ3_S": 1.26}.get(qtype, 1.03)
+    assert file_bytes <= data.numel() <= file_bytes * {"Q3_K": 1.33, "IQ3_S": 1.26, "IQ3_XXS": 1.41}.get(qtype, 1.03)
     if qtype == "Q2_K":
         assert data.numel() == file_bytes
     assert torch.equal(qblocks.unpack_blocks(data, qtype, (n, k)), raw)
@@ -162,7 +162,7 @@ def test_mixed_qtype_merges_stack_their_parts(m):
     assert torch.equal(rows.data, ref.data) and torch.equal(rows.scales, ref.scales)
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "IQ3_S"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ3_XXS"])
 def test_k_quant_model_runs_packed_and_generates_the_dense_models_tokens(tmp_path, mix, caplog):
     """A tiny model in each K-quant mix loads with every projection packed (q/k/v of mixed types as
     parts) and greedy-generates what the dense float32 model of the same dequantized weights does."""
