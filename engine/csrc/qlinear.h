@@ -40,7 +40,7 @@
 //                                       header 320 + 8 x 128 = 1344 bytes (file 84 x 16 = 1344)
 // The non-linear 4-bit types store nibbles q that index kIq4Values (lut): the kernels look each
 // nibble up as kIq4Values[q] + 128, an unsigned byte, and from there compute as for Q8_0 (zero 128).
-// IQ3_S goes the same way through its own table (its grid rows and signs as nibbles, value 2q - 15).
+// IQ3_S and IQ3_XXS go the same way through tables of their own (their grid rows and signs as nibbles).
 //   IQ4_NL: 4 nibble chunks, 16 fp16 d                    d * kIq4Values[q] 288 bytes (file 18/32)
 //   IQ4_XS: super-blocks, header 16 fp16 d, then per sub-block the 16 rows' int8 scale sc (the
 //           file's 6-bit scale - 32); value (d * sc) * kIq4Values[q]
@@ -86,31 +86,32 @@ constexpr bool qtype_known(int qt) {
          qt == kIQ3_XXS;
 }
 
-// IQ4_NL / IQ4_XS: the values their nibbles index (ggml's kvalues_iq4nl), and the same plus 128
-// as the unsigned bytes the kernels multiply (one table lookup per nibble vector).
+// The lut types' nibbles q index 16 values; the kernels multiply them as unsigned bytes, value + 128
+// (one table lookup per nibble vector).
+struct ByteTable {
+  alignas(16) uint8_t b[16];
+};
+template <typename Value>
+constexpr ByteTable byte_table(Value value) {
+  ByteTable t{};
+  for (int q = 0; q < 16; ++q) t.b[q] = static_cast<uint8_t>(value(q) + 128);
+  return t;
+}
+// IQ4_NL / IQ4_XS: ggml's kvalues_iq4nl.
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-constexpr uint8_t iq4_byte(int q) { return static_cast<uint8_t>(kIq4Values[q] + 128); }
-alignas(16) constexpr uint8_t kIq4Bytes[16] = {iq4_byte(0),  iq4_byte(1),  iq4_byte(2),  iq4_byte(3),
-                                               iq4_byte(4),  iq4_byte(5),  iq4_byte(6),  iq4_byte(7),
-                                               iq4_byte(8),  iq4_byte(9),  iq4_byte(10), iq4_byte(11),
-                                               iq4_byte(12), iq4_byte(13), iq4_byte(14), iq4_byte(15)};
 // IQ3_S and IQ3_XXS: a weight's grid magnitude, the l-th of the type's 8, with its sign is the nibble
 // 8 + l, or 7 - l when negative (engine/quant/blocks.py decodes the grid rows and sign bits to it).
 // IQ3_S's magnitudes are 1, 3, ..., 15 (so the value is 2q - 15), IQ3_XXS's 4, 12, ..., 52, 62.
-constexpr int grid_value(const int (&mag)[8], int q) { return q >= 8 ? mag[q - 8] : -mag[7 - q]; }
 constexpr int kIq3sMagnitudes[8] = {1, 3, 5, 7, 9, 11, 13, 15};
 constexpr int kIq3xxsMagnitudes[8] = {4, 12, 20, 28, 36, 44, 52, 62};
-constexpr uint8_t iq3s_byte(int q) { return static_cast<uint8_t>(grid_value(kIq3sMagnitudes, q) + 128); }
-constexpr uint8_t iq3xxs_byte(int q) { return static_cast<uint8_t>(grid_value(kIq3xxsMagnitudes, q) + 128); }
-alignas(16) constexpr uint8_t kIq3sBytes[16] = {iq3s_byte(0),  iq3s_byte(1),  iq3s_byte(2),  iq3s_byte(3),
-                                                iq3s_byte(4),  iq3s_byte(5),  iq3s_byte(6),  iq3s_byte(7),
-                                                iq3s_byte(8),  iq3s_byte(9),  iq3s_byte(10), iq3s_byte(11),
-                                                iq3s_byte(12), iq3s_byte(13), iq3s_byte(14), iq3s_byte(15)};
-alignas(16) constexpr uint8_t kIq3xxsBytes[16] = {
-    iq3xxs_byte(0), iq3xxs_byte(1), iq3xxs_byte(2),  iq3xxs_byte(3),  iq3xxs_byte(4),  iq3xxs_byte(5),  iq3xxs_byte(6),  iq3xxs_byte(7),
-    iq3xxs_byte(8), iq3xxs_byte(9), iq3xxs_byte(10), iq3xxs_byte(11), iq3xxs_byte(12), iq3xxs_byte(13), iq3xxs_byte(14), iq3xxs_byte(15)};
-// The unsigned bytes a lut type's nibbles index (Layout::lut).
-constexpr const uint8_t* lut_bytes(int qt) { return qt == kIQ3_S ? kIq3sBytes : qt == kIQ3_XXS ? kIq3xxsBytes : kIq4Bytes; }
+constexpr int grid_value(const int (&mag)[8], int q) { return q >= 8 ? mag[q - 8] : -mag[7 - q]; }
+constexpr ByteTable kIq4Bytes = byte_table([](int q) { return static_cast<int>(kIq4Values[q]); });
+constexpr ByteTable kIq3sBytes = byte_table([](int q) { return grid_value(kIq3sMagnitudes, q); });
+constexpr ByteTable kIq3xxsBytes = byte_table([](int q) { return grid_value(kIq3xxsMagnitudes, q); });
+// The bytes a lut type's nibbles index (Layout::lut).
+constexpr const uint8_t* lut_bytes(int qt) {
+  return (qt == kIQ3_S ? kIq3sBytes : qt == kIQ3_XXS ? kIq3xxsBytes : kIq4Bytes).b;
+}
 // What the header's d * sc is multiplied by (IQ3_XXS: its scale is d * (0.5 + s) * 0.5 = d * (1 + 2s) / 4,
 // exact in float32 as gguf computes it).
 constexpr float scale_factor(int qt) { return qt == kIQ3_XXS ? 0.25f : 1.f; }
@@ -125,7 +126,7 @@ struct Layout {
   bool kquant;       // 256-weight super-blocks with a header of per-row fields
   bool split;        // two scales per 32-block (Q6_K, Q3_K, Q2_K: elements 0-15 and 16-31): their integer sums stay apart
   int header;        // K types: bytes of the super-block header
-  bool lut = false;  // nibbles index a value table (lut_bytes: IQ4_NL, IQ4_XS, IQ3_S), looked up as lut_bytes(qt)[q]
+  bool lut = false;  // nibbles index a value table (IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS), looked up as lut_bytes(qt)[q]
 };
 
 constexpr Layout layout(int qt) {

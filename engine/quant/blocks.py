@@ -148,6 +148,22 @@ def _ksigns() -> torch.Tensor:
     return torch.frombuffer(bytearray(IQ2_XXS.ksigns), dtype=torch.uint8)
 
 
+_CRUMB_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 1, 4, 1)
+
+
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K's and Q3_K's 2-bit fields: bytes [n, ns, 64] -> [n, ns, 256], element 128h + 32s + l
+    being bits 2s..2s+1 of byte 32h + l."""
+    n, ns, _ = qs.shape
+    return ((qs.reshape(n, ns, 2, 1, 32) >> _CRUMB_SHIFTS) & 3).reshape(n, ns, 256)
+
+
+def _join_crumbs(q: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_crumbs` on the low 2 bits of q [n, ns, 256]."""
+    n, ns, _ = q.shape
+    return ((q & 3).reshape(n, ns, 2, 4, 32) << _CRUMB_SHIFTS).sum(3, dtype=torch.uint8).reshape(n, ns, 64)
+
+
 def _bits_of_u32(b: torch.Tensor) -> torch.Tensor:
     """[..., 4] little-endian bytes -> [..., 32] bits."""
     word = b.to(torch.int64)
@@ -200,18 +216,15 @@ def decode(raw: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, dict[st
         q = _nibbles(b[..., sb + 4 :]) | (_bits_of_u32(b[..., sb : sb + 4]) << 4)
         return q.reshape(n, k), fields
     ns = k // SUPER
-    if qtype == "Q2_K":  # scales (16), qs, d, dmin; element 128h + 32s + l: bits 2s..2s+1 of qs[32h + l]
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
-        q = (b[..., 16:80].reshape(n, ns, 2, 1, 32) >> shifts.reshape(1, 1, 1, 4, 1)) & 3
-        return q.reshape(n, k), {"d": b[..., 80:82], "dmin": b[..., 82:84], "sm": b[..., 0:16]}
+    if qtype == "Q2_K":  # scales (16), qs (the quants: _crumbs), d, dmin
+        return _crumbs(b[..., 16:80]).reshape(n, k), {"d": b[..., 80:82], "dmin": b[..., 82:84], "sm": b[..., 0:16]}
     if qtype == "Q3_K":  # hmask, qs, scales (12), d; element 128h + 32s + l: bits 2s..2s+1 of
         # qs[32h + l], high bit (set: no -4 offset) bit 4h + s of hmask[l]; 16 six-bit scales: low
         # nibbles of bytes 0-7 then their high nibbles, high 2 bits in bytes 8-11 (scale 4s + j: bits 2s of byte 8 + j)
         hm, qs, sb, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], b[..., 108:110]
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
-        lo = (qs.reshape(n, ns, 2, 1, 32) >> shifts.reshape(1, 1, 1, 4, 1)) & 3  # [h, s, l]
         hi = (hm.reshape(n, ns, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1  # [4h + s, l]
-        q = lo.reshape(n, ns, 256) | (hi.reshape(n, ns, 256) << 2)
+        q = _crumbs(qs) | (hi.reshape(n, ns, 256) << 2)
         low = _nibbles(sb[..., 0:8])
         high = ((sb[..., 8:12].reshape(n, ns, 1, 4) >> shifts.reshape(1, 1, 4, 1)) & 3).reshape(n, ns, 16)
         return q.reshape(n, k), {"d": d, "sc": ((low | (high << 4)).to(torch.int32) - 32).to(torch.uint8)}
@@ -270,18 +283,16 @@ def encode(q: torch.Tensor, fields: dict[str, torch.Tensor], qtype: str) -> torc
         return torch.cat(parts, dim=-1).reshape(n, -1)
     ns = k // SUPER
     qs = q.reshape(n, ns, 256)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
-    lo = (qs & 3).reshape(n, ns, 2, 4, 32).to(torch.int32)
-    qs_bytes = (lo << shifts.reshape(1, 1, 1, 4, 1)).sum(3).reshape(n, ns, 64)  # Q2_K's and Q3_K's low 2 bits
     if qtype == "Q2_K":
-        return torch.cat([fields["sm"], qs_bytes.to(torch.uint8), fields["d"], fields["dmin"]], dim=-1).reshape(n, -1)
+        return torch.cat([fields["sm"], _join_crumbs(qs), fields["d"], fields["dmin"]], dim=-1).reshape(n, -1)
     if qtype == "Q3_K":
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
         hi = ((qs >> 2) & 1).reshape(n, ns, 8, 32).to(torch.int32)
         hm = (hi << torch.arange(8, dtype=torch.int32).reshape(1, 1, 8, 1)).sum(2)
         ls = (fields["sc"].to(torch.int32) + 32) & 63
         low = (ls[..., 0:8] & 15) | ((ls[..., 8:16] & 15) << 4)
         high = ((ls >> 4).reshape(n, ns, 4, 4) << shifts.reshape(1, 1, 4, 1)).sum(2)
-        parts = [hm, qs_bytes, low, high, fields["d"]]
+        parts = [hm, _join_crumbs(qs), low, high, fields["d"]]
         return torch.cat([x.to(torch.uint8) for x in parts], dim=-1).reshape(n, -1)
     if qtype in ("IQ3_S", "IQ3_XXS"):
         row, negative = _grid_rows(qtype, qs.reshape(n, ns, 64, 4))
